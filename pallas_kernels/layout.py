@@ -1,0 +1,317 @@
+"""The one module that owns kvjax's bit layout and page shapes.
+
+Everything that needs to know how low-bit codes sit in memory imports this module: the
+quantize+pack kernel, the paged decode-attention kernels, their pure-jnp references and the
+paged cache. No other module does stride or packing arithmetic.
+
+Bit layout
+----------
+Bits 2 and 4 are stored packed in ``uint8`` with ``n = 8 // bits`` codes per byte; 3 bits is
+simulated only and kept unpacked (one code per ``uint8``, ``n = 1``).
+
+Packing is *planar* along the last (channel) axis. For a row of ``d`` codes, byte ``j``
+(``0 <= j < d // n``) holds code ``j + i * (d // n)`` at bit offset ``i * bits`` for
+``i = 0 .. n-1``. Unpacking therefore yields ``n`` *contiguous* channel slices, so a kernel can
+dot each slice with the matching contiguous slice of the query instead of de-interleaving.
+
+Reconstruction invariant (per token, per KV head, per group of ``G`` channels)::
+
+    x_hat = (codes - zero) * scale
+
+with ``scale`` and ``zero`` stored as floats (``zero`` is real-valued, not an integer).
+
+Page pools (one set per layer and per K/V; one page = ``page_size`` consecutive tokens of one
+sequence)::
+
+    codes:        u8[num_pages, kv_heads, page_size, head_dim // n]
+    scale, zero:  meta_dtype[num_pages, kv_heads, page_size, head_dim // G]
+    full-prec.:   fp_dtype[num_pages, kv_heads, page_size, head_dim]
+
+All cached vectors are stored in the transformed frame (``x @ A``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_BITS: tuple[int, ...] = (2, 3, 4)
+PACKED_BITS: tuple[int, ...] = (2, 4)
+META_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+FP_DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
+CODES_DTYPE = jnp.uint8
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; expected one of {SUPPORTED_BITS}")
+
+
+def is_packed(bits: int) -> bool:
+    """Whether codes of this bit width are stored packed (2, 4) or one per byte (3)."""
+    _check_bits(bits)
+    return bits in PACKED_BITS
+
+
+def codes_per_byte(bits: int) -> int:
+    """Codes stored in one uint8: ``8 // bits`` for 2 and 4 bits, 1 for (unpacked) 3 bits."""
+    _check_bits(bits)
+    return 8 // bits if bits in PACKED_BITS else 1
+
+
+def packed_dim(d: int, bits: int) -> int:
+    """Length of the last axis after packing a row of ``d`` codes."""
+    n = codes_per_byte(bits)
+    if d <= 0 or d % n:
+        raise ValueError(f"d={d} must be a positive multiple of codes_per_byte({bits})={n}")
+    return d // n
+
+
+def _normalise_dtype_name(dtype: object, allowed: Sequence[str], what: str) -> str:
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError as e:
+        raise ValueError(f"{what}={dtype!r} is not a dtype; expected one of {allowed}") from e
+    if name not in allowed:
+        raise ValueError(f"{what}={dtype!r} is not supported; expected one of {allowed}")
+    return name
+
+
+def pack_codes(
+    codes: jax.Array,  # u8[..., d], each value in [0, 2**bits)
+    bits: int,
+) -> jax.Array:  # u8[..., d // n]
+    """Packs codes planar-wise along the last axis (see the module docstring).
+
+    Codes are assumed to lie in ``[0, 2**bits)``; higher bits are masked off so that an
+    out-of-range code cannot corrupt its neighbours. For 3 bits the codes are returned unpacked
+    as ``uint8``.
+
+    Args:
+      codes: integer codes; last axis is the channel axis of length ``d``.
+      bits: code width, one of 2, 3, 4.
+
+    Returns:
+      uint8 array whose last axis is ``d // codes_per_byte(bits)``.
+    """
+    n = codes_per_byte(bits)
+    d = codes.shape[-1]
+    m = packed_dim(d, bits)
+    mask = (1 << bits) - 1
+    codes = codes.astype(jnp.uint8) & jnp.uint8(mask)
+    if n == 1:
+        return codes
+    planes = codes.reshape(*codes.shape[:-1], n, m)  # u8[..., n, d//n]; plane i = codes i*m..
+    out = planes[..., 0, :]
+    for i in range(1, n):
+        # Bit fields are disjoint, so OR is exact (no carries).
+        out = out | (planes[..., i, :] << jnp.uint8(i * bits))
+    return out
+
+
+def unpack_planes(
+    packed: jax.Array,  # u8|i32[..., m] packed bytes (a whole row or a tile of one)
+    bits: int,
+) -> list[jax.Array]:  # n x (same dtype)[..., m]
+    """Returns the ``n`` planar code slices of a packed array, lowest bit field first.
+
+    Slice ``i`` holds channels ``[i*m, (i+1)*m)`` of the unpacked row (``m`` = packed length).
+    Pure elementwise shifts and masks in the input dtype, so it works inside Pallas kernels on
+    tiles (uint8 or widened int32 bytes) as well as on whole arrays.
+
+    Args:
+      packed: packed bytes; any integer dtype holding values in [0, 256).
+      bits: code width, one of 2, 3, 4 (3 returns ``[packed]``).
+
+    Returns:
+      list of ``codes_per_byte(bits)`` arrays, each shaped like ``packed``.
+    """
+    n = codes_per_byte(bits)
+    if n == 1:
+        return [packed]
+    mask = (1 << bits) - 1
+    dt = packed.dtype
+    return [(packed >> jnp.asarray(i * bits, dt)) & jnp.asarray(mask, dt) for i in range(n)]
+
+
+def unpack_codes(
+    packed: jax.Array,  # u8[..., d // n]
+    bits: int,
+    d: int,
+) -> jax.Array:  # u8[..., d]
+    """Inverse of :func:`pack_codes`.
+
+    Args:
+      packed: packed bytes whose last axis is ``d // codes_per_byte(bits)``.
+      bits: code width, one of 2, 3, 4.
+      d: number of channels in the unpacked row.
+
+    Returns:
+      uint8 codes with last axis ``d``.
+    """
+    m = packed_dim(d, bits)
+    if packed.shape[-1] != m:
+        raise ValueError(f"{packed.shape=} does not match d={d}, bits={bits}: expected last={m}")
+    planes = unpack_planes(packed.astype(jnp.uint8), bits)
+    return jnp.concatenate(planes, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+    """Page-pool shapes and byte costs for one layer's K (or V) cache.
+
+    Hashable, so it can be a static argument of jitted functions.
+
+    Attributes:
+      page_size: tokens per page (``P``).
+      num_kv_heads: KV heads per layer (``Hkv``).
+      head_dim: channels per head (``d``).
+      bits: low-bit code width; 2 and 4 packed, 3 unpacked (simulation only).
+      group_size: channels sharing one (scale, zero); ``None`` means ``head_dim``.
+      meta_dtype: storage dtype name of scale and zero ('float16', 'bfloat16', 'float32').
+      fp_dtype: storage dtype name of full-precision pages ('bfloat16', 'float32', 'float16').
+    """
+
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    bits: int = 2
+    group_size: int | None = None
+    meta_dtype: str = "float16"
+    fp_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_kv_heads", "head_dim"):
+            object.__setattr__(self, name, _positive_int(getattr(self, name), name))
+        _check_bits(self.bits)
+        g = self.head_dim if self.group_size is None else self.group_size
+        g = _positive_int(g, "group_size")
+        if self.head_dim % g:
+            raise ValueError(f"head_dim={self.head_dim} is not divisible by group_size={g}")
+        n = codes_per_byte(self.bits)
+        if self.head_dim % n:
+            raise ValueError(
+                f"head_dim={self.head_dim} is not divisible by codes_per_byte({self.bits})={n}"
+            )
+        # Normalise so equal layouts compare (and hash) equal whatever spelling was used.
+        object.__setattr__(self, "group_size", g)
+        object.__setattr__(
+            self, "meta_dtype", _normalise_dtype_name(self.meta_dtype, META_DTYPES, "meta_dtype")
+        )
+        object.__setattr__(
+            self, "fp_dtype", _normalise_dtype_name(self.fp_dtype, FP_DTYPES, "fp_dtype")
+        )
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def codes_per_byte(self) -> int:
+        """``n``: codes per stored byte (1 for 3 bits)."""
+        return codes_per_byte(self.bits)
+
+    @property
+    def packed(self) -> bool:
+        """Whether codes are bit-packed (2 and 4 bits)."""
+        return is_packed(self.bits)
+
+    @property
+    def packed_dim(self) -> int:
+        """Last-axis length of a code row: ``head_dim // n``."""
+        return self.head_dim // self.codes_per_byte
+
+    @property
+    def num_groups(self) -> int:
+        """Groups per head: ``head_dim // group_size``."""
+        return self.head_dim // self.group_size
+
+    @property
+    def codes_dtype(self) -> jnp.dtype:
+        return jnp.dtype(CODES_DTYPE)
+
+    @property
+    def meta_jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.meta_dtype)
+
+    @property
+    def fp_jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.fp_dtype)
+
+    # ---- pool shapes ---------------------------------------------------------------------
+    def codes_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """``u8[num_pages, kv_heads, page_size, head_dim // n]``."""
+        num_pages = _check_num_pages(num_pages)
+        return (num_pages, self.num_kv_heads, self.page_size, self.packed_dim)
+
+    def meta_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """Shape of the scale pool and of the zero pool: ``[P#, kv_heads, page, d // G]``."""
+        num_pages = _check_num_pages(num_pages)
+        return (num_pages, self.num_kv_heads, self.page_size, self.num_groups)
+
+    def fp_shape(self, num_pages: int) -> tuple[int, int, int, int]:
+        """``fp_dtype[num_pages, kv_heads, page_size, head_dim]``."""
+        num_pages = _check_num_pages(num_pages)
+        return (num_pages, self.num_kv_heads, self.page_size, self.head_dim)
+
+    def token_codes_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        """Token-major (unpaged) code shape ``u8[N, kv_heads, head_dim // n]``."""
+        return (num_tokens, self.num_kv_heads, self.packed_dim)
+
+    def token_meta_shape(self, num_tokens: int) -> tuple[int, int, int]:
+        """Token-major (unpaged) scale/zero shape ``[N, kv_heads, head_dim // G]``."""
+        return (num_tokens, self.num_kv_heads, self.num_groups)
+
+    # ---- byte accounting -----------------------------------------------------------------
+    @property
+    def lowbit_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the low-bit pools (codes + scale + zero, all KV heads)."""
+        meta = 2 * self.num_groups * self.meta_jnp_dtype.itemsize
+        return self.num_kv_heads * (self.packed_dim + meta)
+
+    @property
+    def fp_bytes_per_token(self) -> int:
+        """Bytes one token occupies in the full-precision pools (all KV heads)."""
+        return self.num_kv_heads * self.head_dim * self.fp_jnp_dtype.itemsize
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per cached element in low-bit pages, scale and zero included."""
+        return 8.0 * self.lowbit_bytes_per_token / (self.num_kv_heads * self.head_dim)
+
+    @property
+    def lowbit_bytes_per_page(self) -> int:
+        return self.page_size * self.lowbit_bytes_per_token
+
+    @property
+    def fp_bytes_per_page(self) -> int:
+        return self.page_size * self.fp_bytes_per_token
+
+    # ---- addressing ----------------------------------------------------------------------
+    def page_and_slot(self, position: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+        """Maps a token position within a segment to (page-table entry, slot within page)."""
+        position = jnp.asarray(position)
+        return position // self.page_size, position % self.page_size
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` tokens of one sequence."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+        return -(-num_tokens // self.page_size)
+
+
+def _positive_int(v: object, name: str) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"{name}={v!r} must be a positive int")
+    try:
+        i = operator.index(v)
+    except TypeError as e:
+        raise ValueError(f"{name}={v!r} must be a positive int") from e
+    if i <= 0:
+        raise ValueError(f"{name}={v!r} must be a positive int")
+    return i
+
+
+def _check_num_pages(num_pages: int) -> int:
+    return _positive_int(num_pages, "num_pages")
