@@ -12,12 +12,12 @@ import hashlib
 import json
 from typing import Any
 
-# model_type -> (qk_norm, attention_bias default). Architectures whose attention block is the
-# Llama block with optional q/k RMSNorm and optional q/k/v bias.
-_DENSE_FAMILIES: dict[str, tuple[bool, bool]] = {
-    "llama": (False, False),
-    "qwen2": (False, True),
-    "qwen3": (True, False),
+# model_type -> (qk_norm, attention_bias default, o_proj follows attention_bias). Architectures
+# whose attention block is the Llama block with optional q/k RMSNorm and optional biases.
+_DENSE_FAMILIES: dict[str, tuple[bool, bool, bool]] = {
+    "llama": (False, False, True),
+    "qwen2": (False, True, False),
+    "qwen3": (True, False, True),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_DENSE_FAMILIES)
 
@@ -47,6 +47,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 style)
+    o_proj_bias: bool = False  # bias on o_proj (Llama/Qwen3 set it with attention_bias)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3 style)
     partial_rotary_factor: float = 1.0  # fraction of head_dim that RoPE rotates
     bos_token_id: int | None = None
@@ -109,7 +110,7 @@ class ModelConfig:
                 f"model_type={model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        qk_norm, bias_default = _DENSE_FAMILIES[model_type]
+        qk_norm, bias_default, o_follows = _DENSE_FAMILIES[model_type]
         rope_scaling = hf.get("rope_scaling") or None
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
             None,
@@ -140,6 +141,7 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", bias_default)),
+            o_proj_bias=o_follows and bool(hf.get("attention_bias", bias_default)),
             qk_norm=qk_norm,
             partial_rotary_factor=float(hf.get("partial_rotary_factor", 1.0)),
             bos_token_id=hf.get("bos_token_id"),
