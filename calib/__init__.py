@@ -1,0 +1,1 @@
+"""Calibration: streaming statistics, transform construction, and the calibrate glue."""
