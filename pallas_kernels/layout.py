@@ -138,6 +138,49 @@ def unpack_planes(
     return [(packed >> jnp.asarray(i * bits, dt)) & jnp.asarray(mask, dt) for i in range(n)]
 
 
+def pack_tile(
+    codes: jax.Array,  # int[..., d] (uint8 or int32), each value in [0, 2**bits)
+    bits: int,
+) -> jax.Array:  # same dtype[..., d // n]
+    """Kernel-friendly :func:`pack_codes`: same bytes, built from a reshape and a sum.
+
+    Triton lowering has no value slicing, so the planes are separated by reshaping to
+    ``[..., n, d // n]`` and combined by summing ``code << (i * bits)`` over the plane axis
+    (the bit fields are disjoint, so the sum equals the OR). Keeps the input dtype; cast to
+    uint8 at the store.
+    """
+    n = codes_per_byte(bits)
+    d = codes.shape[-1]
+    m = packed_dim(d, bits)
+    if n == 1:
+        return codes
+    planes = codes.reshape(*codes.shape[:-1], n, m)  # int[..., n, d//n]
+    plane_idx = jax.lax.broadcasted_iota(codes.dtype, (n, m), 0)  # [n, m]: row i holds i
+    weights = jnp.left_shift(jnp.ones_like(plane_idx), plane_idx * jnp.asarray(bits, codes.dtype))
+    return jnp.sum(planes * weights, axis=-2).astype(codes.dtype)
+
+
+def scatter_tokens(
+    pool: jax.Array,  # T[num_pages, kv_heads, page_size, w]
+    values: jax.Array,  # T[N, kv_heads, w]
+    page_idx: jax.Array,  # i32[N] physical page of each token
+    slot: jax.Array,  # i32[N] position of each token inside its page
+) -> jax.Array:  # T[num_pages, kv_heads, page_size, w]
+    """Writes token-major rows into a page pool at (page, slot); the one page-write primitive.
+
+    Works for the code, scale/zero and full-precision pools alike. Duplicate (page, slot)
+    pairs are a caller bug (last write wins, unspecified order).
+    """
+    if pool.ndim != 4 or values.ndim != 3:
+        raise ValueError(f"{pool.shape=} must be 4-D and {values.shape=} 3-D")
+    if values.shape[1:] != (pool.shape[1], pool.shape[3]):
+        raise ValueError(f"{values.shape=} does not match pool rows {pool.shape=}")
+    if page_idx.shape != values.shape[:1] or slot.shape != values.shape[:1]:
+        raise ValueError(f"{page_idx.shape=} and {slot.shape=} must both be ({values.shape[0]},)")
+    # pool[page_idx, :, slot] has shape [N, kv_heads, w] (advanced indices first).
+    return pool.at[page_idx, :, slot].set(values.astype(pool.dtype), mode="drop")
+
+
 def unpack_codes(
     packed: jax.Array,  # u8[..., d // n]
     bits: int,

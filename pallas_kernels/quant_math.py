@@ -41,6 +41,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import layout
+
 Method = Literal["oscar", "quest", "minmax"]
 METHODS: tuple[str, ...] = ("oscar", "quest", "minmax")
 
@@ -318,3 +320,40 @@ def quest_quantize(
     k = jnp.clip(jnp.floor(x / safe), -half, half - 1) + half
     zero = jnp.full_like(delta, half - 0.5)
     return k.astype(jnp.int32), delta, zero
+
+
+def transform_quantize_tile(
+    x: jax.Array,  # f32|bf16[T, d] tokens of one KV head
+    a: jax.Array,  # f32[d, d] transform A of that head
+    clip: jax.Array | None,  # f32, broadcastable to [T, 1, 1]; None = method default
+    *,
+    method: Method,
+    bits: int,
+    group_size: int,
+    meta_dtype: jnp.dtype,
+    quantile: Literal["sort", "rank"] = "rank",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One tile of the quantize+pack pipeline: ``x @ A`` -> group quantize -> planar pack.
+
+    The body every quantize+pack kernel runs on its tile (no slicing, concatenation or sort,
+    so it lowers on Triton and Mosaic alike).
+
+    Returns:
+      ``(packed i32[T, d // n], scale meta_dtype[T, d // G], zero meta_dtype[T, d // G])``.
+    """
+    t, d = x.shape
+    ng = d // group_size
+    # Full float32 matmul: the transform must not add bf16/tf32 error on top of quantization.
+    y = jnp.dot(
+        x.astype(jnp.float32),
+        a.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )  # f32[T, d]
+    yg = y.reshape(t, ng, group_size)  # f32[T, d/G, G]
+    codes, scale, zero = quantize_groups(
+        yg, method, bits, clip=clip, meta_dtype=meta_dtype, quantile=quantile
+    )
+    packed = layout.pack_tile(codes.reshape(t, d), bits)  # i32[T, d/n]
+    meta_dtype = jnp.dtype(meta_dtype)
+    return packed, scale.reshape(t, ng).astype(meta_dtype), zero.reshape(t, ng).astype(meta_dtype)

@@ -1,0 +1,1 @@
+"""TPU kernel bodies for Pallas' Mosaic TPU backend."""
