@@ -1,0 +1,531 @@
+"""The paged mixed-precision KV cache: the one module that owns the cache policy.
+
+Per sequence, positions split into three segments (DESIGN.md section 4):
+
+    [0, sink)           full precision   ("sink" pages)
+    [sink, quant_end)   low-bit          (2/3/4-bit codes + per-group scale/zero)
+    [quant_end, S)      full precision   ("recent" pages)
+
+`quant_end` advances in multiples of `flush` so that at least `keep` recent positions stay in
+full precision. Everything is stored in the transformed frame (`x @ A`, `kvjax.transforms`).
+
+Two objects split the work:
+
+- `PagedKVCache` is the device-side pytree: page pools per layer, page tables, the index plan of
+  the current step. It implements the cache protocol of `kvjax.kv_cache` (`attend`, `advance`)
+  and runs under jit.
+- `PageManager` is the host-side allocator: free lists and per-sequence page lists. Before
+  each model call `prepare(cache, num_new)` plans where every new token goes and which recent
+  pages flush into low-bit pages, raising `PagePoolExhausted` *before* changing anything when a
+  pool is too small, so stored sequences are never touched by a failed step.
+
+Within one call, the new tokens' queries attend to everything stored before the call plus the new
+tokens themselves in full precision (causally); the flush into low-bit pages happens after. This
+is what a serving prefill does, and with 16-token chunks it is the WUSH-KV perplexity protocol.
+
+Page layout and bit packing come from `pallas_kernels.layout`; nothing here does bit arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.attention import grouped_attention, split_heads_by_group
+from kvjax.config import ModelConfig
+from kvjax.quantizers import QuantConfig, QuantizedArray, dequantize, quantize
+from kvjax.transforms import KVTransforms
+from pallas_kernels import layout as lay
+
+
+class PagePoolExhausted(RuntimeError):
+    """A step needs more pages than the pool has free; nothing was changed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Cache policy and pool sizes.
+
+    Attributes:
+      sink, keep, flush: window policy in tokens (defaults 64 / 256 / 16; the WUSH-KV perplexity
+        protocol uses 16 / 128 / 16). sink and flush must be multiples of page_size.
+      page_size: tokens per page.
+      quant: quantizer for the middle segment; None keeps it in full precision (an identity
+        quantizer, used to test the paging and transform plumbing exactly).
+      quant_v: quantizer for values if it differs from keys (default: same as `quant`).
+      fp_dtype: dtype of full-precision pages.
+      max_seq_len: longest sequence a page table can describe.
+      num_lowbit_pages, num_fp_pages: pool sizes (pages per layer); None sizes the pools so every
+        batch slot can reach max_seq_len.
+      attention: 'reference' (pure jnp) or 'pallas' (decode kernels; single-token steps).
+    """
+
+    sink: int = 64
+    keep: int = 256
+    flush: int = 16
+    page_size: int = 16
+    quant: QuantConfig | None = dataclasses.field(default_factory=QuantConfig)
+    quant_v: QuantConfig | None = None
+    fp_dtype: str = "float32"
+    max_seq_len: int = 4096
+    num_lowbit_pages: int | None = None
+    num_fp_pages: int | None = None
+    attention: Literal["reference", "pallas"] = "reference"
+
+    def __post_init__(self):
+        p = self.page_size
+        if p <= 0 or self.flush <= 0 or self.sink < 0 or self.keep < 0:
+            raise ValueError(f"invalid windows: page_size={p} sink={self.sink} "
+                             f"keep={self.keep} flush={self.flush}")
+        if self.sink % p or self.flush % p:
+            raise ValueError(f"sink={self.sink} and flush={self.flush} must be multiples of "
+                             f"page_size={p}")
+        if self.keep < 1:
+            raise ValueError(f"keep={self.keep}: at least the newest token stays full precision")
+        if self.attention not in ("reference", "pallas"):
+            raise ValueError(f"attention={self.attention!r}; use 'reference' or 'pallas'")
+        if self.quant is None and self.quant_v is not None:
+            raise ValueError("quant_v given without quant")
+
+    @property
+    def value_quant(self) -> QuantConfig | None:
+        return self.quant_v if self.quant_v is not None else self.quant
+
+    def quant_end(self, length: int) -> int:
+        """First position of the recent window for a sequence of `length` tokens."""
+        over = length - self.sink - self.keep
+        if over < 0:
+            return self.sink
+        return self.sink + (over // self.flush) * self.flush
+
+    def fp_pages_per_seq(self, max_new: int) -> int:
+        """Full-precision pages one sequence can hold at once during a `max_new`-token step."""
+        p = self.page_size
+        return self.sink // p + -(-(self.keep + self.flush + max_new) // p) + 1
+
+    def lowbit_pages_per_seq(self) -> int:
+        return -(-max(0, self.max_seq_len - self.sink) // self.page_size)
+
+
+# ------------------------------------------------------------------------------------------
+# Device side
+# ------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class LayerPools:
+    """One layer's pools. Low-bit pools hold codes/scale/zero, or fp arrays when quant is None."""
+
+    k_fp: jax.Array  # fp[P_fp, Hkv, page, d]
+    v_fp: jax.Array
+    k_low: tuple[jax.Array, ...]  # (codes u8[P_q, Hkv, page, d/n], scale, zero) | (fp[...],)
+    v_low: tuple[jax.Array, ...]
+
+
+@flax.struct.dataclass
+class StepPlan:
+    """Where this step's tokens go. Flat slots are `page * page_size + slot`; an index equal to
+    the pool's slot count is out of range and dropped by the scatter."""
+
+    fp_table: jax.Array  # i32[B, M_fp] sink pages then recent pages (old and new)
+    fp_len: jax.Array  # i32[B] valid fp tokens before this step
+    low_table: jax.Array  # i32[B, M_q]
+    low_len: jax.Array  # i32[B] valid low-bit tokens before this step
+    new_fp_dst: jax.Array  # i32[B, T] fp slot of each new token (or dropped)
+    new_low_dst: jax.Array  # i32[B, T] low-bit slot of each new token (or dropped)
+    flush_src: jax.Array  # i32[B, F] fp slots of stored tokens flushed to low bits this step
+    flush_dst: jax.Array  # i32[B, F] their low-bit slots (or dropped)
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    pools: tuple[LayerPools, ...]
+    transforms: KVTransforms
+    lengths: jax.Array  # i32[B]
+    plan: StepPlan | None
+    cfg: CacheConfig = flax.struct.field(pytree_node=False)
+    sm_scale: float = flax.struct.field(pytree_node=False)
+
+    # ---- construction -----------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        model_cfg: ModelConfig,
+        cache_cfg: CacheConfig,
+        transforms: KVTransforms,
+        batch_size: int,
+        *,
+        max_new_tokens: int = 2048,
+    ) -> PagedKVCache:
+        """Allocates the pools (filled with NaN so a stray read of an unowned slot shows)."""
+        transforms.check_matches(model_cfg)
+        n_fp = cache_cfg.num_fp_pages or batch_size * cache_cfg.fp_pages_per_seq(max_new_tokens)
+        n_q = cache_cfg.num_lowbit_pages or max(1, batch_size * cache_cfg.lowbit_pages_per_seq())
+        pools = tuple(
+            _make_pools(model_cfg, cache_cfg, n_fp, n_q) for _ in range(model_cfg.num_layers)
+        )
+        return cls(
+            pools=pools,
+            transforms=transforms,
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+            plan=None,
+            cfg=cache_cfg,
+            sm_scale=model_cfg.head_dim**-0.5,
+        )
+
+    @property
+    def num_fp_pages(self) -> int:
+        return self.pools[0].k_fp.shape[0]
+
+    @property
+    def num_lowbit_pages(self) -> int:
+        return self.pools[0].k_low[0].shape[0]
+
+    # ---- memory accounting ------------------------------------------------------------
+    def allocated_bytes(self) -> int:
+        """Bytes of every pool array (what the device actually holds for this cache)."""
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self.pools))
+
+    # ---- the cache protocol -----------------------------------------------------------
+    def attend(
+        self,
+        layer: int,
+        q: jax.Array,  # f[B, T, Hq, d]
+        k: jax.Array,  # f[B, T, Hkv, d]
+        v: jax.Array,  # f[B, T, Hkv, d]
+        positions: jax.Array,  # i32[B, T]
+    ) -> tuple[jax.Array, PagedKVCache]:
+        if self.plan is None:
+            raise ValueError("PagedKVCache.attend without a plan: call PageManager.prepare first")
+        plan, tf, cfg = self.plan, self.transforms, self.cfg
+        pools = self.pools[layer]
+        b, t, _, d = q.shape
+        if plan.new_fp_dst.shape != (b, t):
+            raise ValueError(f"plan made for {plan.new_fp_dst.shape} tokens, got {q.shape=}")
+        # Move everything into the stored frames: k A_K, v A_V, q B_K^T.
+        k_t = jnp.einsum("BTKH,KHJ->BTKJ", k.astype(jnp.float32), tf.a_k[layer])
+        v_t = jnp.einsum("BTKH,KHJ->BTKJ", v.astype(jnp.float32), tf.a_v[layer])
+        qg = split_heads_by_group(q.astype(jnp.float32), k.shape[2])  # [B, T, K, G, H]
+        q_t = jnp.einsum("BTKGH,KJH->BTKGJ", qg, tf.b_k[layer]).reshape(q.shape)
+
+        # New tokens that stay full precision go into fp pages now (decode reads them there).
+        k_fp = _scatter_tokens(pools.k_fp, plan.new_fp_dst, k_t)
+        v_fp = _scatter_tokens(pools.v_fp, plan.new_fp_dst, v_t)
+
+        if cfg.attention == "pallas" and t == 1:
+            o_t = self._pallas_decode(layer, q_t, k_fp, v_fp)
+        else:
+            o_t = self._reference_attend(pools, q_t, k_t, v_t, positions)
+
+        # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
+        # bits (long prefill chunks), are quantized into low-bit pages.
+        fk = _gather_tokens(pools.k_fp, plan.flush_src)  # [B, F, K, d]
+        fv = _gather_tokens(pools.v_fp, plan.flush_src)
+        dst = jnp.concatenate([plan.flush_dst, plan.new_low_dst], axis=1)
+        k_low = _store_low(pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1),
+                           cfg.quant, tf.clip_k[layer])
+        v_low = _store_low(pools.v_low, dst, jnp.concatenate([fv, v_t], axis=1),
+                           cfg.value_quant, tf.clip_v[layer])
+
+        o = o_t
+        if not tf.values_folded:
+            og = split_heads_by_group(o_t, k.shape[2])
+            o = jnp.einsum("BTKGH,KHJ->BTKGJ", og, tf.b_v[layer]).reshape(o_t.shape)
+        new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
+        pools_all = self.pools[:layer] + (new_pools,) + self.pools[layer + 1 :]
+        return o, self.replace(pools=pools_all)
+
+    def advance(self, num_tokens: int) -> PagedKVCache:
+        return self.replace(lengths=self.lengths + num_tokens)
+
+    # ---- attention paths ----------------------------------------------------------------
+    def _reference_attend(self, pools, q_t, k_t, v_t, positions) -> jax.Array:
+        """Dequantize stored tokens and attend: [stored fp | stored low-bit | new (causal)]."""
+        plan = self.plan
+        b, t = positions.shape
+        kf = _gather_pages(pools.k_fp, plan.fp_table)  # [B, M_fp*P, K, d]
+        vf = _gather_pages(pools.v_fp, plan.fp_table)
+        kq = _read_low(pools.k_low, plan.low_table, self.cfg.quant, k_t.shape[-1])
+        vq = _read_low(pools.v_low, plan.low_table, self.cfg.value_quant, k_t.shape[-1])
+        n_fp, n_q = kf.shape[1], kq.shape[1]
+        fp_valid = jnp.arange(n_fp)[None, :] < plan.fp_len[:, None]
+        q_valid = jnp.arange(n_q)[None, :] < plan.low_len[:, None]
+        causal = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
+        mask = jnp.concatenate(
+            [
+                jnp.broadcast_to(fp_valid[:, None, :], (b, t, n_fp)),
+                jnp.broadcast_to(q_valid[:, None, :], (b, t, n_q)),
+                causal,
+            ],
+            axis=-1,
+        )
+        keys = jnp.concatenate([kf.astype(jnp.float32), kq, k_t], axis=1)
+        vals = jnp.concatenate([vf.astype(jnp.float32), vq, v_t], axis=1)
+        return grouped_attention(q_t, keys, vals, mask, sm_scale=self.sm_scale)
+
+    def _pallas_decode(self, layer, q_t, k_fp, v_fp) -> jax.Array:
+        """Single-token decode through the Pallas kernel, reading packed pages directly."""
+        from pallas_kernels.decode_attention import decode_attention  # lazy: optional path
+
+        plan, cfg = self.plan, self.cfg
+        if cfg.quant is None or cfg.quant.bits == 3:
+            raise ValueError("the pallas decode path needs packed 2- or 4-bit pages")
+        kc, ks, kz = self.pools[layer].k_low
+        vc, vs, vz = self.pools[layer].v_low
+        backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
+        o = decode_attention(
+            q_t[:, 0], k_fp, v_fp, plan.fp_table, plan.fp_len + 1,
+            kc, vc, ks, kz, vs, vz, plan.low_table, plan.low_len,
+            None, None,
+            bits=cfg.quant.bits, sm_scale=self.sm_scale, backend=backend,
+            interpret=jax.default_backend() == "cpu",
+        )
+        return o[:, None].astype(jnp.float32)
+
+
+def _make_pools(mcfg: ModelConfig, ccfg: CacheConfig, n_fp: int, n_q: int) -> LayerPools:
+    d, hkv, p = mcfg.head_dim, mcfg.num_kv_heads, ccfg.page_size
+    fp_dtype = jnp.dtype(ccfg.fp_dtype)
+
+    def low(qc: QuantConfig | None):
+        if qc is None:
+            return (jnp.full((n_q, hkv, p, d), jnp.nan, fp_dtype),)
+        lo = lay.PageLayout(
+            page_size=p, num_kv_heads=hkv, head_dim=d, bits=qc.bits,
+            group_size=qc.resolve_group_size(d), meta_dtype=qc.meta_dtype, fp_dtype=ccfg.fp_dtype,
+        )
+        return (
+            jnp.zeros(lo.codes_shape(n_q), lo.codes_dtype),
+            jnp.full(lo.meta_shape(n_q), jnp.nan, lo.meta_jnp_dtype),
+            jnp.full(lo.meta_shape(n_q), jnp.nan, lo.meta_jnp_dtype),
+        )
+
+    fp = jnp.full((n_fp, hkv, p, d), jnp.nan, fp_dtype)
+    return LayerPools(k_fp=fp, v_fp=jnp.full_like(fp, jnp.nan), k_low=low(ccfg.quant),
+                      v_low=low(ccfg.value_quant))
+
+
+def _split_slot(pool: jax.Array, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    page_size = pool.shape[2]
+    return flat // page_size, flat % page_size
+
+
+def _scatter_tokens(pool: jax.Array, flat: jax.Array, vals: jax.Array) -> jax.Array:
+    """pool[page, :, slot] = vals for every (b, t); out-of-range flat slots are dropped."""
+    page, slot = _split_slot(pool, flat.reshape(-1))
+    v = vals.reshape(-1, *vals.shape[2:]).astype(pool.dtype)  # [N, K, ...]
+    return pool.at[page, :, slot].set(v, mode="drop")
+
+
+def _gather_tokens(pool: jax.Array, flat: jax.Array) -> jax.Array:
+    """[B, F] flat slots -> f32[B, F, K, d] (out-of-range slots read as 0, later dropped)."""
+    page, slot = _split_slot(pool, flat)
+    out = pool.at[page, :, slot].get(mode="fill", fill_value=0)  # [B, F, K, d]
+    return out.astype(jnp.float32)
+
+
+def _gather_pages(pool: jax.Array, table: jax.Array) -> jax.Array:
+    """[B, M] page table -> [B, M*P, K, ...] tokens in page order."""
+    g = pool[table]  # [B, M, K, P, ...]
+    g = jnp.swapaxes(g, 2, 3)  # [B, M, P, K, ...]
+    return g.reshape(g.shape[0], -1, *g.shape[3:])
+
+
+def _store_low(low, dst, vals, qc: QuantConfig | None, clip):
+    if qc is None:
+        return (_scatter_tokens(low[0], dst, vals),)
+    # The stored clip is OSCAR's percentile kappa; quest/minmax use their own rules.
+    qa = quantize(vals, qc, clip=clip if qc.method == "oscar" else None)
+    return tuple(_scatter_tokens(pool, dst, x) for pool, x in zip(low, (qa.codes, qa.scale,
+                                                                         qa.zero)))
+
+
+def _read_low(low, table, qc: QuantConfig | None, d: int) -> jax.Array:
+    if qc is None:
+        return _gather_pages(low[0], table).astype(jnp.float32)
+    codes, scale, zero = (_gather_pages(x, table) for x in low)
+    qa = QuantizedArray(
+        codes=codes, scale=scale, zero=zero, bits=qc.bits, group_size=qc.resolve_group_size(d),
+        d=d, packed=lay.is_packed(qc.bits),
+    )
+    return dequantize(qa)
+
+
+# ------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Seq:
+    length: int = 0
+    sink_pages: list[int] = dataclasses.field(default_factory=list)
+    recent_pages: dict[int, int] = dataclasses.field(default_factory=dict)  # logical -> physical
+    low_pages: list[int] = dataclasses.field(default_factory=list)
+
+
+class PageManager:
+    """Host-side page allocator and step planner for one `PagedKVCache` (all layers share it).
+
+    Usage per model call: `cache = manager.prepare(cache, num_new)`, run the model with
+    `cache`, keep the returned cache. `release(seq)` frees a finished sequence's pages.
+    """
+
+    def __init__(self, cache: PagedKVCache):
+        self.cfg = cache.cfg
+        self.batch_size = int(cache.lengths.shape[0])
+        self.num_fp_pages = cache.num_fp_pages
+        self.num_low_pages = cache.num_lowbit_pages
+        self.free_fp = list(range(self.num_fp_pages - 1, -1, -1))
+        self.free_low = list(range(self.num_low_pages - 1, -1, -1))
+        self.seqs = [_Seq() for _ in range(self.batch_size)]
+        self._pending_free_fp: list[int] = []
+
+    # ---- queries ------------------------------------------------------------------------
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.seqs]
+
+    def pages_in_use(self) -> tuple[int, int]:
+        """(fp pages, low-bit pages) currently owned by sequences."""
+        fp = sum(len(s.sink_pages) + len(s.recent_pages) for s in self.seqs)
+        return fp, sum(len(s.low_pages) for s in self.seqs)
+
+    def segments(self, seq: int) -> tuple[int, int, int]:
+        """(sink tokens, low-bit tokens, recent tokens) held by sequence `seq`."""
+        s = self.seqs[seq]
+        qe = self.cfg.quant_end(s.length)
+        sink = min(s.length, self.cfg.sink)
+        low = max(0, qe - self.cfg.sink) if s.length > self.cfg.sink else 0
+        return sink, low, s.length - sink - low
+
+    # ---- planning -----------------------------------------------------------------------
+    def prepare(self, cache: PagedKVCache, num_new: int | list[int]) -> PagedKVCache:
+        """Plans a step that appends `num_new` tokens to every sequence (a list gives per-sequence
+        counts of *real* tokens; the rest of the chunk is ignored padding).
+
+        Raises:
+            PagePoolExhausted: naming the pool; no sequence or page is changed.
+            ValueError: a sequence would exceed max_seq_len.
+        """
+        cfg, p = self.cfg, self.cfg.page_size
+        counts = [num_new] * self.batch_size if isinstance(num_new, int) else list(num_new)
+        if len(counts) != self.batch_size:
+            raise ValueError(f"num_new has {len(counts)} entries for batch {self.batch_size}")
+        t = max(counts) if counts else 0
+        for i, (s, n) in enumerate(zip(self.seqs, counts)):
+            if s.length + n > cfg.max_seq_len:
+                raise ValueError(f"sequence {i}: length {s.length} + {n} new tokens exceeds "
+                                 f"max_seq_len={cfg.max_seq_len}")
+        # Pages flushed in the previous step have been read by it; they are free now.
+        free_fp = self.free_fp + self._pending_free_fp
+        free_low = list(self.free_low)
+        # Count what this step needs before touching anything.
+        need_fp = need_low = 0
+        for s, n in zip(self.seqs, counts):
+            nf, nl, _ = self._needs(s, n)
+            need_fp += nf
+            need_low += nl
+        if need_fp > len(free_fp):
+            raise PagePoolExhausted(
+                f"full-precision page pool exhausted: step needs {need_fp} pages, "
+                f"{len(free_fp)} free of {self.num_fp_pages}; nothing was changed")
+        if need_low > len(free_low):
+            raise PagePoolExhausted(
+                f"low-bit page pool exhausted: step needs {need_low} pages, {len(free_low)} "
+                f"free of {self.num_low_pages} (raise num_lowbit_pages or max_seq_len); "
+                f"nothing was changed")
+        self.free_fp, self.free_low, self._pending_free_fp = free_fp, free_low, []
+
+        m_fp = cfg.fp_pages_per_seq(t)
+        m_q = max(1, cfg.lowbit_pages_per_seq())
+        f_max = min(cfg.keep + cfg.flush, t + cfg.flush)
+        drop_fp = self.num_fp_pages * p
+        drop_low = self.num_low_pages * p
+        arrs = dict(
+            fp_table=np.zeros((self.batch_size, m_fp), np.int32),
+            fp_len=np.zeros((self.batch_size,), np.int32),
+            low_table=np.zeros((self.batch_size, m_q), np.int32),
+            low_len=np.zeros((self.batch_size,), np.int32),
+            new_fp_dst=np.full((self.batch_size, t), drop_fp, np.int32),
+            new_low_dst=np.full((self.batch_size, t), drop_low, np.int32),
+            flush_src=np.full((self.batch_size, f_max), drop_fp, np.int32),
+            flush_dst=np.full((self.batch_size, f_max), drop_low, np.int32),
+        )
+        for b, (s, n) in enumerate(zip(self.seqs, counts)):
+            self._plan_seq(b, s, n, arrs)
+        plan = StepPlan(**{k: jnp.asarray(v) for k, v in arrs.items()})
+        lengths = jnp.asarray([s.length - n for s, n in zip(self.seqs, counts)], jnp.int32)
+        return cache.replace(plan=plan, lengths=lengths)
+
+    def _needs(self, s: _Seq, n: int) -> tuple[int, int, int]:
+        """(new fp pages, new low-bit pages, flushed fp pages) for appending n tokens."""
+        cfg, p = self.cfg, self.cfg.page_size
+        s0, s1 = s.length, s.length + n
+        new_fp_pages = set()
+        for pos in range(s0, s1):
+            if pos < cfg.sink:
+                if pos // p >= len(s.sink_pages):
+                    new_fp_pages.add(("sink", pos // p))
+            elif pos >= cfg.quant_end(s1):
+                lp = (pos - cfg.sink) // p
+                if lp not in s.recent_pages:
+                    new_fp_pages.add(("recent", lp))
+        qe0, qe1 = cfg.quant_end(s0), cfg.quant_end(s1)
+        new_low = (qe1 - qe0) // p if s1 > cfg.sink else 0
+        flushed = {lp for lp in s.recent_pages if cfg.sink + lp * p < qe1}
+        return len(new_fp_pages), new_low, len(flushed)
+
+    def _plan_seq(self, b: int, s: _Seq, n: int, arrs: dict) -> None:
+        cfg, p = self.cfg, self.cfg.page_size
+        s0, s1 = s.length, s.length + n
+        qe0, qe1 = cfg.quant_end(s0), cfg.quant_end(s1)
+        # Allocate pages for new tokens.
+        for pos in range(s0, s1):
+            t = pos - s0
+            if pos < cfg.sink:
+                while pos // p >= len(s.sink_pages):
+                    s.sink_pages.append(self.free_fp.pop())
+                arrs["new_fp_dst"][b, t] = s.sink_pages[pos // p] * p + pos % p
+            elif pos < qe1:
+                lp = (pos - cfg.sink) // p
+                while lp >= len(s.low_pages):
+                    s.low_pages.append(self.free_low.pop())
+                arrs["new_low_dst"][b, t] = s.low_pages[lp] * p + (pos - cfg.sink) % p
+            else:
+                lp = (pos - cfg.sink) // p
+                if lp not in s.recent_pages:
+                    s.recent_pages[lp] = self.free_fp.pop()
+                arrs["new_fp_dst"][b, t] = s.recent_pages[lp] * p + (pos - cfg.sink) % p
+        # Tables describe the stored state before this step, with new pages appended.
+        fp_pages = s.sink_pages + [s.recent_pages[lp] for lp in sorted(s.recent_pages)]
+        arrs["fp_table"][b, : len(fp_pages)] = fp_pages
+        arrs["fp_len"][b] = min(s0, cfg.sink) + max(0, s0 - qe0) * (s0 > cfg.sink)
+        arrs["low_len"][b] = max(0, qe0 - cfg.sink) if s0 > cfg.sink else 0
+        # Flush stored recent tokens in [qe0, min(qe1, s0)).
+        f = 0
+        for pos in range(qe0, min(qe1, s0)):
+            lp = (pos - cfg.sink) // p
+            while lp >= len(s.low_pages):
+                s.low_pages.append(self.free_low.pop())
+            arrs["flush_src"][b, f] = s.recent_pages[lp] * p + (pos - cfg.sink) % p
+            arrs["flush_dst"][b, f] = s.low_pages[lp] * p + (pos - cfg.sink) % p
+            f += 1
+        arrs["low_table"][b, : len(s.low_pages)] = s.low_pages
+        # Recent pages wholly below the new quant_end are freed once this step has read them.
+        for lp in [lp for lp in s.recent_pages if cfg.sink + (lp + 1) * p <= qe1]:
+            self._pending_free_fp.append(s.recent_pages.pop(lp))
+        s.length = s1
+
+    def release(self, cache: PagedKVCache, seq: int) -> PagedKVCache:
+        """Frees every page of sequence `seq` and resets its length to 0."""
+        s = self.seqs[seq]
+        self.free_fp.extend(s.sink_pages + list(s.recent_pages.values()))
+        self.free_low.extend(s.low_pages)
+        self.seqs[seq] = _Seq()
+        return cache.replace(lengths=cache.lengths.at[seq].set(0), plan=None)

@@ -1,0 +1,105 @@
+"""The transform pytree that serving applies: per (layer, KV head) pairs (A, B) with A @ B = I.
+
+Row-vector convention (DESIGN.md section 3): a cached key/value `x` is stored as Q(x A) and read
+back as Q(x A) B. For keys the query moves into the stored frame once, `q B^T`, so logits are
+`(q B^T) . Q(k A)`. For values the output `(sum_s p_s Q(v_s A)) B` applies B once per head, or
+B is folded into W_O and A into W_V (`fold_value_transforms`).
+
+The math that *makes* these matrices lives in `calib/`; a deployment only needs this pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVTransforms:
+    """Per-layer key/value transforms and clip ratios.
+
+    Attributes:
+      a_k, b_k: f32[L, Hkv, d, d] key transform and its inverse (A_K @ B_K = I).
+      a_v, b_v: f32[L, Hkv, d, d] value transform and its inverse.
+      clip_k, clip_v: f32[L] quantizer clip parameter per layer (oscar: percentile kappa).
+      values_folded: A_V / B_V already folded into W_V / W_O; the cache then leaves values as is.
+    """
+
+    a_k: jax.Array
+    b_k: jax.Array
+    a_v: jax.Array
+    b_v: jax.Array
+    clip_k: jax.Array
+    clip_v: jax.Array
+    values_folded: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def num_layers(self) -> int:
+        return self.a_k.shape[0]
+
+    @classmethod
+    def identity(
+        cls, cfg: ModelConfig, clip_k: float = 1.0, clip_v: float = 1.0
+    ) -> KVTransforms:
+        eye = np.broadcast_to(
+            np.eye(cfg.head_dim, dtype=np.float32),
+            (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim),
+        )
+        ones = np.ones((cfg.num_layers,), np.float32)
+        return cls(*(jnp.asarray(eye) for _ in range(4)), jnp.asarray(clip_k * ones),
+                   jnp.asarray(clip_v * ones))
+
+    def check_matches(self, cfg: ModelConfig) -> None:
+        """Raises ValueError naming the mismatch if these transforms do not fit `cfg`."""
+        want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+        for name in ("a_k", "b_k", "a_v", "b_v"):
+            got = tuple(getattr(self, name).shape)
+            if got != want:
+                raise ValueError(
+                    f"transform {name} has shape {got}, but the model needs {want} "
+                    f"(layers, kv_heads, head_dim, head_dim): made for another model?"
+                )
+        for name in ("clip_k", "clip_v"):
+            if tuple(getattr(self, name).shape) != (cfg.num_layers,):
+                raise ValueError(f"{name} has shape {getattr(self, name).shape}, want "
+                                 f"({cfg.num_layers},)")
+
+    def with_values_folded(self) -> KVTransforms:
+        """The same transforms with the value pair replaced by identity (after folding)."""
+        eye = jnp.broadcast_to(jnp.eye(self.a_v.shape[-1], dtype=self.a_v.dtype), self.a_v.shape)
+        return dataclasses.replace(self, a_v=eye, b_v=eye, values_folded=True)
+
+
+def fold_value_transforms(model, transforms: KVTransforms) -> KVTransforms:
+    """Folds A_V into W_V (and its bias) and B_V into W_O, in place on an NNX model.
+
+    Row convention: v' = v A_V = x (W_V^T A_V), and the head output o' B_V feeds o_proj, so
+    W_O's per-head input block becomes B_V @ block. Returns the transforms with identity value
+    pairs, which is what the cache must then use.
+    """
+    if transforms.values_folded:
+        raise ValueError("value transforms are already folded")
+    cfg = model.cfg
+    d, hkv, g = cfg.head_dim, cfg.num_kv_heads, cfg.group_size
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        a_v = transforms.a_v[i].astype(jnp.float32)  # [Hkv, d, d]
+        b_v = transforms.b_v[i].astype(jnp.float32)
+        kv = attn.v_proj.kernel[...]  # [D, Hkv*d]  (flax kernel: y = x @ kernel)
+        kv = jnp.einsum("DKH,KHJ->DKJ", kv.reshape(-1, hkv, d).astype(jnp.float32), a_v)
+        attn.v_proj.kernel[...] = kv.reshape(-1, hkv * d).astype(attn.v_proj.kernel.dtype)
+        if attn.v_proj.bias is not None:
+            bv = attn.v_proj.bias[...].reshape(hkv, d).astype(jnp.float32)
+            attn.v_proj.bias[...] = jnp.einsum("KH,KHJ->KJ", bv, a_v).reshape(-1).astype(
+                attn.v_proj.bias.dtype)
+        ko = attn.o_proj.kernel[...]  # [Hq*d, D]; head j's rows read o_j
+        ko = ko.reshape(hkv, g, d, -1).astype(jnp.float32)
+        ko = jnp.einsum("KHJ,KGJD->KGHD", b_v, ko)
+        attn.o_proj.kernel[...] = ko.reshape(hkv * g * d, -1).astype(attn.o_proj.kernel.dtype)
+    return transforms.with_values_folded()
