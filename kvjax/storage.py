@@ -1,0 +1,140 @@
+"""Orbax storage of calibrated transforms, with metadata that lets a loader refuse the wrong file.
+
+A transforms checkpoint is a directory:
+
+    metadata.json   format version, method and hyper-parameters, model fingerprint and config,
+                    tokens used, data description, kvjax version, sha256 of every array
+    arrays/         orbax checkpoint of {a_k, b_k, a_v, b_v, clip_k, clip_v}
+
+It is written to a temporary sibling and renamed into place, so an interrupted save never leaves
+a directory that looks valid. `load_transforms` checks the format version, the digests (a
+truncated or corrupted array fails), the shapes, and the model fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+from kvjax.transforms import KVTransforms
+
+FORMAT_VERSION = 1
+KVJAX_VERSION = "0.1.0"
+_ARRAYS = ("a_k", "b_k", "a_v", "b_v", "clip_k", "clip_v")
+
+
+class TransformsCheckpointError(ValueError):
+    """A transforms checkpoint is missing, corrupt, of an unknown version, or for another model."""
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp  # imported lazily: only storage needs it
+
+    return ocp.StandardCheckpointer()
+
+
+def save_transforms(path: str | os.PathLike[str], tf: KVTransforms, metadata: dict[str, Any]) -> None:
+    """Writes `tf` and `metadata` (must include 'model_fingerprint') atomically to `path`."""
+    path = pathlib.Path(path)
+    if "model_fingerprint" not in metadata:
+        raise ValueError("metadata must include 'model_fingerprint'")
+    arrays = {k: np.asarray(getattr(tf, k), np.float32) for k in _ARRAYS}
+    for k, a in arrays.items():
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"refusing to save non-finite transform array {k}")
+    meta = dict(metadata)
+    meta.update(
+        format_version=FORMAT_VERSION,
+        kvjax_version=KVJAX_VERSION,
+        values_folded=False,
+        shapes={k: list(a.shape) for k, a in arrays.items()},
+        digests={k: _digest(a) for k, a in arrays.items()},
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        ckpt = _checkpointer()
+        ckpt.save(tmp / "arrays", arrays)
+        ckpt.wait_until_finished()
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = pathlib.Path(path)
+    f = path / "metadata.json"
+    if not f.is_file():
+        raise TransformsCheckpointError(f"{path} is not a kvjax transforms checkpoint "
+                                        f"(no metadata.json)")
+    try:
+        meta = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise TransformsCheckpointError(f"{f} is corrupt: {e}") from e
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise TransformsCheckpointError(
+            f"{path}: format_version={version!r} is not supported (this kvjax reads "
+            f"{FORMAT_VERSION})")
+    return meta
+
+
+def load_transforms(
+    path: str | os.PathLike[str],
+    cfg: ModelConfig | None = None,
+    fingerprint: str | None = None,
+) -> tuple[KVTransforms, dict[str, Any]]:
+    """Loads and verifies a transforms checkpoint.
+
+    Args:
+      path: the checkpoint directory (one method).
+      cfg: when given, shapes must match this model.
+      fingerprint: when given, must equal the stored model fingerprint.
+
+    Raises:
+      TransformsCheckpointError: missing/corrupt/truncated files, unknown format version, or a
+        fingerprint/shape mismatch (transforms made for another model).
+    """
+    path = pathlib.Path(path)
+    meta = read_metadata(path)
+    if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
+        raise TransformsCheckpointError(
+            f"{path} was calibrated for model {meta.get('model_fingerprint')} "
+            f"({meta.get('model_source', '?')}), not for this model ({fingerprint})")
+    try:
+        arrays = _checkpointer().restore(path / "arrays")
+    except Exception as e:  # orbax raises several types for damaged files
+        raise TransformsCheckpointError(f"{path}: cannot read arrays ({type(e).__name__}: {e})"
+                                        ) from e
+    for k in _ARRAYS:
+        if k not in arrays:
+            raise TransformsCheckpointError(f"{path}: array {k} is missing")
+        a = np.asarray(arrays[k], np.float32)
+        if list(a.shape) != meta["shapes"][k] or _digest(a) != meta["digests"][k]:
+            raise TransformsCheckpointError(
+                f"{path}: array {k} does not match its recorded shape/digest (corrupt or "
+                f"truncated checkpoint)")
+    tf = KVTransforms(*(jnp.asarray(np.asarray(arrays[k], np.float32)) for k in _ARRAYS))
+    if cfg is not None:
+        try:
+            tf.check_matches(cfg)
+        except ValueError as e:
+            raise TransformsCheckpointError(f"{path}: {e}") from e
+    return tf, meta
