@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, attention error, retrieval and throughput benchmarks."""

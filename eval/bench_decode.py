@@ -1,0 +1,434 @@
+"""Decode-attention benchmark: packed 2/4-bit paged kernels vs BF16 baselines (issue 6).
+
+Qwen3-8B attention shapes (32 query / 8 KV heads, head_dim 128). For each (batch, context)
+point it times: the 2-bit and 4-bit mixed-precision Pallas kernels (sink 64 + recent 256
+tokens full precision, the rest low-bit, query transform and value inverse applied in the
+kernel), the BF16 Pallas paged kernel, XLA attention over a dense BF16 cache,
+``jax.nn.dot_product_attention(implementation="cudnn")`` and, where PyTorch is importable,
+``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)``. It reports median
+times, bytes read, achieved bandwidth against a read-bandwidth ceiling measured in the same
+run (a large reduction), speedups, and the quantize_pack cost per decode step (one token per
+sequence, K and V, all layers) when `pallas_kernels.quantize_pack` is present.
+
+Example (GPU)::
+
+    python -m eval.bench_decode --points 8x131072,1x65536 --out results/bench_decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import decode_attention as da
+from pallas_kernels import layout
+
+DEFAULT_POINTS = ((1, 4096), (1, 65536), (1, 131072), (8, 16384), (8, 131072), (32, 16384))
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What to measure.
+
+    Attributes:
+      points: (batch, context) pairs.
+      q_heads, kv_heads, head_dim, layers: model attention shape (Qwen3-8B defaults).
+      page_size, sink, recent: cache layout; sink + recent tokens stay full precision.
+      variants: which rows to time (names as in the output table).
+      repeats: timed batches per variant (median reported); calls_per_repeat per batch.
+      backend: 'gpu' or 'tpu' (TPU runs only the Pallas variants and XLA).
+      num_splits, pages_per_block, num_warps, num_stages: kernel tuning (None = defaults).
+      out: JSON path; a markdown table is written beside it (.md).
+    """
+
+    points: tuple[tuple[int, int], ...] = DEFAULT_POINTS
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    layers: int = 36
+    page_size: int = 16
+    sink: int = 64
+    recent: int = 256
+    variants: tuple[str, ...] = (
+        "int2_pallas",
+        "int4_pallas",
+        "bf16_pallas",
+        "xla_dense_bf16",
+        "cudnn_bf16",
+        "torch_sdpa_bf16",
+    )
+    repeats: int = 7
+    calls_per_repeat: int = 20
+    backend: str = "gpu"
+    num_splits: int | None = None
+    pages_per_block: int = 8
+    num_warps: int | None = None
+    num_stages: int | None = None
+    out: str = "results/bench_decode.json"
+
+
+# ------------------------------------------------------------------------------------------
+def _time_jax(fn: Callable[[], jax.Array], cfg: BenchConfig) -> float:
+    """Median seconds per call: batches of back-to-back calls, one sync per batch."""
+    jax.block_until_ready(fn())  # compile + warm up
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(cfg.repeats):
+        t0 = time.perf_counter()
+        for _ in range(cfg.calls_per_repeat):
+            r = fn()
+        jax.block_until_ready(r)
+        times.append((time.perf_counter() - t0) / cfg.calls_per_repeat)
+    return statistics.median(times)
+
+
+def read_bandwidth_ceiling(nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a large sum over device memory (reads dominate; the output is one scalar)."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16) * jnp.bfloat16(1.5)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    cfg = BenchConfig(repeats=7, calls_per_repeat=10)
+    t = _time_jax(lambda: f(x), cfg)
+    return nbytes / t
+
+
+def _bytes_lowbit(cfg: BenchConfig, batch: int, ctx: int, bits: int) -> tuple[int, int, int]:
+    """(bytes read, fp tokens, low-bit tokens) for one decode step of one layer."""
+    lay = layout.PageLayout(cfg.page_size, cfg.kv_heads, cfg.head_dim, bits=bits)
+    n_fp, n_q = _split_context(cfg, ctx)
+    kv = 2  # keys and values
+    nbytes = batch * kv * (n_q * lay.lowbit_bytes_per_token + n_fp * lay.fp_bytes_per_token)
+    return nbytes, n_fp, n_q
+
+
+def _split_context(cfg: BenchConfig, ctx: int) -> tuple[int, int]:
+    n_q = max(0, (ctx - cfg.sink - cfg.recent) // cfg.page_size * cfg.page_size)
+    return ctx - n_q, n_q
+
+
+def _pages(n_tokens: int, page: int) -> int:
+    return -(-n_tokens // page)
+
+
+def _make_lowbit_inputs(cfg: BenchConfig, batch: int, ctx: int, bits: int, key) -> dict:
+    d, hkv, page = cfg.head_dim, cfg.kv_heads, cfg.page_size
+    n = layout.codes_per_byte(bits)
+    n_fp, n_q = _split_context(cfg, ctx)
+    pf, pq = _pages(n_fp, page), _pages(n_q, page) if n_q else 1
+    ks = jax.random.split(key, 8)
+    f16 = jnp.float16
+    q_pages = batch * pq
+    codes_shape = (q_pages, hkv, page, d // n)
+    meta = (q_pages, hkv, page, 1)
+    return dict(
+        q=jax.random.normal(ks[0], (batch, cfg.q_heads, d), jnp.bfloat16),
+        k_fp=jax.random.normal(ks[1], (batch * pf, hkv, page, d), jnp.bfloat16),
+        v_fp=jax.random.normal(ks[2], (batch * pf, hkv, page, d), jnp.bfloat16),
+        fp_page_table=jnp.arange(batch * pf, dtype=jnp.int32).reshape(batch, pf),
+        fp_len=jnp.full((batch,), n_fp, jnp.int32),
+        k_codes=jax.random.randint(ks[3], codes_shape, 0, 256, jnp.int32).astype(jnp.uint8),
+        v_codes=jax.random.randint(ks[4], codes_shape, 0, 256, jnp.int32).astype(jnp.uint8),
+        k_scale=jax.random.uniform(ks[5], meta, f16, 0.01, 0.1),
+        k_zero=jax.random.uniform(ks[6], meta, f16, 0.0, 2.0**bits - 1),
+        v_scale=jax.random.uniform(ks[7], meta, f16, 0.01, 0.1),
+        v_zero=jax.random.uniform(ks[5], meta, f16, 0.0, 2.0**bits - 1),
+        # A shuffled page table: real caches do not hand out pages in order.
+        q_page_table=jax.random.permutation(ks[6], q_pages).astype(jnp.int32).reshape(batch, pq),
+        q_len=jnp.full((batch,), n_q, jnp.int32),
+        query_transform=jnp.linalg.qr(jax.random.normal(ks[0], (hkv, d, d)))[0],
+        value_inverse=jnp.linalg.qr(jax.random.normal(ks[1], (hkv, d, d)))[0],
+    )
+
+
+def _dense_attention(q, k, v, sm_scale):
+    """XLA attention over a dense cache: q [B, Hq, d], k/v [B, S, Hkv, d] (bf16)."""
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    s = jnp.einsum("BKGH,BSKH->BKGS", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("BKGS,BSKH->BKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, hq, d)
+
+
+def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[dict]:
+    """Times every variant at one (batch, context) point; returns one row per variant."""
+    d, hkv, hq, page = cfg.head_dim, cfg.kv_heads, cfg.q_heads, cfg.page_size
+    sm = d**-0.5
+    rows = []
+    tune = dict(
+        num_splits=cfg.num_splits,
+        pages_per_block=cfg.pages_per_block,
+        backend=cfg.backend,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    key = jax.random.key(batch * 1_000_003 + ctx)
+    bf16_bytes = batch * ctx * hkv * d * 2 * 2
+
+    def record(name, fn, nbytes, **extra):
+        row = dict(variant=name, batch=batch, context=ctx, bytes_read=int(nbytes), **extra)
+        try:
+            t = _time_jax(fn, cfg) if not name.startswith("torch") else fn()
+            row.update(
+                time_ms=t * 1e3,
+                bandwidth_GBps=nbytes / t / 1e9,
+                fraction_of_ceiling=nbytes / t / ceiling,
+            )
+        except Exception as e:  # a missing backend feature is a result, not a crash
+            row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for bits in (2, 4):
+        name = f"int{bits}_pallas"
+        if name not in cfg.variants:
+            continue
+        x = _make_lowbit_inputs(cfg, batch, ctx, bits, key)
+        nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
+        f = jax.jit(lambda x, bits=bits: da.decode_attention(**x, bits=bits, sm_scale=sm, **tune))
+        record(name, lambda f=f, x=x: f(x), nbytes, fp_tokens=n_fp, lowbit_tokens=n_q)
+        del x
+
+    need_dense = {"bf16_pallas", "xla_dense_bf16", "cudnn_bf16"} & set(cfg.variants)
+    if need_dense:
+        ks = jax.random.split(key, 3)
+        q = jax.random.normal(ks[0], (batch, hq, d), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (batch, ctx, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (batch, ctx, hkv, d), jnp.bfloat16)
+        if "bf16_pallas" in cfg.variants:
+            npg = _pages(ctx, page)
+            # Pages viewed from the dense cache: [B*S/page, Hkv, page, d].
+            kp = k.reshape(batch, npg, page, hkv, d).transpose(0, 1, 3, 2, 4)
+            kp = kp.reshape(batch * npg, hkv, page, d)
+            vp = v.reshape(batch, npg, page, hkv, d).transpose(0, 1, 3, 2, 4)
+            vp = vp.reshape(batch * npg, hkv, page, d)
+            tab = jnp.arange(batch * npg, dtype=jnp.int32).reshape(batch, npg)
+            lens = jnp.full((batch,), ctx, jnp.int32)
+            f = jax.jit(
+                lambda q, kp, vp, tab, lens: da.decode_attention_bf16(
+                    q, kp, vp, tab, lens, sm_scale=sm, **tune
+                )
+            )
+            record("bf16_pallas", lambda: f(q, kp, vp, tab, lens), bf16_bytes)
+            del kp, vp
+        if "xla_dense_bf16" in cfg.variants:
+            f = jax.jit(lambda q, k, v: _dense_attention(q, k, v, sm))
+            record("xla_dense_bf16", lambda: f(q, k, v), bf16_bytes)
+        if "cudnn_bf16" in cfg.variants and cfg.backend == "gpu":
+            f = jax.jit(
+                lambda q, k, v: jax.nn.dot_product_attention(
+                    q[:, None], k, v, scale=sm, implementation="cudnn"
+                )
+            )
+            record("cudnn_bf16", lambda: f(q, k, v), bf16_bytes)
+        del q, k, v
+
+    if "torch_sdpa_bf16" in cfg.variants and cfg.backend == "gpu":
+        record("torch_sdpa_bf16", lambda: _time_torch_sdpa(cfg, batch, ctx), bf16_bytes)
+    return rows
+
+
+def _time_torch_sdpa(cfg: BenchConfig, batch: int, ctx: int) -> float:
+    import torch  # optional outside reference
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch has no CUDA device")
+    dev, bf = "cuda", torch.bfloat16
+    q = torch.randn(batch, cfg.q_heads, 1, cfg.head_dim, device=dev, dtype=bf)
+    k = torch.randn(batch, cfg.kv_heads, ctx, cfg.head_dim, device=dev, dtype=bf)
+    v = torch.randn_like(k)
+
+    def call():
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(cfg.repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(cfg.calls_per_repeat):
+            call()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3 / cfg.calls_per_repeat)
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def quantize_pack_step_cost(cfg: BenchConfig, batch: int) -> dict:
+    """Seconds per decode step spent quantizing one new token per sequence (K and V, all
+    layers), timed with one layer's call times ``2 * layers``."""
+    try:
+        from pallas_kernels import quantize_pack as qp
+    except ImportError as e:
+        return dict(batch=batch, error=f"quantize_pack unavailable: {e}")
+    key = jax.random.key(7)
+    x = jax.random.normal(key, (batch, cfg.kv_heads, cfg.head_dim), jnp.bfloat16)
+    d = cfg.head_dim
+    a = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), (cfg.kv_heads, d, d))
+    out = dict(batch=batch, layers=cfg.layers)
+    for bits in (2, 4):
+        try:
+            f = jax.jit(
+                lambda x, a, bits=bits: qp.quantize_pack(x, a, bits=bits, backend=cfg.backend)
+            )
+            t = _time_jax(lambda f=f: f(x, a), cfg)
+            out[f"int{bits}_per_call_ms"] = t * 1e3
+            out[f"int{bits}_per_step_ms"] = t * 1e3 * 2 * cfg.layers
+        except Exception as e:
+            out[f"int{bits}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _speedups(rows: list[dict]) -> list[dict]:
+    """Per point: speedup of each Pallas low-bit row over the best JAX BF16 and torch rows."""
+    out = []
+    for point in sorted({(r["batch"], r["context"]) for r in rows}):
+        t = {r["variant"]: r.get("time_ms") for r in rows if (r["batch"], r["context"]) == point}
+        jax_bf16 = [t[v] for v in ("xla_dense_bf16", "cudnn_bf16", "bf16_pallas") if t.get(v)]
+        best = min(jax_bf16) if jax_bf16 else None
+        for v in ("int2_pallas", "int4_pallas"):
+            if not t.get(v):
+                continue
+            out.append(
+                dict(
+                    batch=point[0],
+                    context=point[1],
+                    variant=v,
+                    vs_best_jax_bf16=None if best is None else best / t[v],
+                    vs_torch_sdpa=(t["torch_sdpa_bf16"] / t[v])
+                    if t.get("torch_sdpa_bf16")
+                    else None,
+                )
+            )
+    return out
+
+
+def markdown_table(result: dict) -> str:
+    lines = [
+        f"read-bandwidth ceiling (bf16 sum over 4 GiB): {result['read_ceiling_GBps']:.0f} GB/s",
+        "",
+        "| batch | context | variant | time (ms) | bytes read (MB) | GB/s | of ceiling |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        if "time_ms" in r:
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {r['variant']} | {r['time_ms']:.4f} | "
+                f"{r['bytes_read'] / 1e6:.1f} | {r['bandwidth_GBps']:.0f} | "
+                f"{r['fraction_of_ceiling']:.2f} |"
+            )
+        else:
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {r['variant']} | failed: "
+                f"{r['error'][:80]} | | | |"
+            )
+    lines += [
+        "",
+        "| batch | context | kernel | x best JAX BF16 | x torch SDPA |",
+        "|---:|---:|---|---:|---:|",
+    ]
+    for s in result["speedups"]:
+        a = "-" if s["vs_best_jax_bf16"] is None else f"{s['vs_best_jax_bf16']:.2f}"
+        b = "-" if s["vs_torch_sdpa"] is None else f"{s['vs_torch_sdpa']:.2f}"
+        lines.append(f"| {s['batch']} | {s['context']} | {s['variant']} | {a} | {b} |")
+    if result.get("quantize_pack"):
+        lines += [
+            "",
+            "| batch | quantize_pack per decode step, int2 (ms) | int4 (ms) |",
+            "|---:|---:|---:|",
+        ]
+        for q in result["quantize_pack"]:
+            a, b = q.get("int2_per_step_ms"), q.get("int4_per_step_ms")
+            lines.append(
+                f"| {q['batch']} | {'-' if a is None else f'{a:.4f}'} | "
+                f"{'-' if b is None else f'{b:.4f}'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(cfg: BenchConfig) -> dict:
+    """Runs the benchmark grid and writes JSON + markdown; returns the result dict."""
+    dev = jax.devices()[0]
+    ceiling = read_bandwidth_ceiling()
+    print(f"device={dev.device_kind} read ceiling {ceiling / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for batch, ctx in cfg.points:
+        rows += bench_point(cfg, batch, ctx, ceiling)
+    qp = [quantize_pack_step_cost(cfg, b) for b in sorted({b for b, _ in cfg.points})]
+    result = dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=dev.device_kind,
+        jax_version=jax.__version__,
+        config=dataclasses.asdict(cfg),
+        read_ceiling_GBps=ceiling / 1e9,
+        rows=rows,
+        speedups=_speedups(rows),
+        quantize_pack=qp,
+    )
+    try:
+        import torch
+
+        result["torch_version"] = torch.__version__
+    except ImportError:
+        pass
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    md = markdown_table(result)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return result
+
+
+def _parse_points(s: str) -> tuple[tuple[int, int], ...]:
+    pts = []
+    for item in s.split(","):
+        b, c = item.lower().split("x")
+        pts.append((int(b), int(c)))
+    return tuple(pts)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--points",
+        type=_parse_points,
+        default=DEFAULT_POINTS,
+        help="comma-separated BATCHxCONTEXT, e.g. 8x131072,1x65536",
+    )
+    p.add_argument("--variants", default=None, help="comma-separated variant names")
+    p.add_argument("--backend", default="gpu", choices=da.BACKENDS)
+    p.add_argument("--num-splits", type=int, default=None)
+    p.add_argument("--pages-per-block", type=int, default=8)
+    p.add_argument("--num-warps", type=int, default=None)
+    p.add_argument("--num-stages", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default="results/bench_decode.json")
+    a = p.parse_args()
+    c = BenchConfig(
+        points=a.points,
+        backend=a.backend,
+        num_splits=a.num_splits,
+        pages_per_block=a.pages_per_block,
+        num_warps=a.num_warps,
+        num_stages=a.num_stages,
+        repeats=a.repeats,
+        out=a.out,
+    )
+    if a.variants:
+        c = dataclasses.replace(c, variants=tuple(a.variants.split(",")))
+    main(c)
