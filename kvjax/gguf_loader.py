@@ -97,6 +97,7 @@ def read_metadata(source: str | os.PathLike[str] | gguf.GGUFReader) -> dict[str,
         source: a path or an open `gguf.GGUFReader`.
     """
     reader = source if isinstance(source, gguf.GGUFReader) else _open_reader(source)
+    # "GGUF.*" entries are the file header (version, counts), not model metadata.
     return {
         name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")
     }

@@ -82,9 +82,9 @@ class Tokenizer:
     ):
         self.backend = backend
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        for name, i in [("bos_id", bos_id), *(("eos_ids", e) for e in eos_ids)]:
+        for name, i in [("bos_id", bos_id), *(("eos_ids entry", e) for e in eos_ids)]:
             if i is not None and not 0 <= i < self._vocab_size:
-                raise ValueError(f"{name} contains {i}, outside vocab of size {self._vocab_size}")
+                raise ValueError(f"{name} {i} is outside vocab of size {self._vocab_size}")
         self.bos_id = bos_id
         self.eos_ids = tuple(dict.fromkeys(int(e) for e in eos_ids))  # dedupe, keep order
         self.chat_template = chat_template
