@@ -1,0 +1,316 @@
+"""Calibrate KV-cache transforms for a model: statistics -> transforms -> clips -> checkpoints.
+
+    python -m kvjax.calibrate                                  # shipped SmolLM2, wush, 64k tokens
+    python -m kvjax.calibrate --method wush oscar hadamard --bits 2 4 --out runs/calib
+    python -m kvjax.calibrate --model /path/Qwen3-8B --data my_texts/ --tokens 262144
+
+Pipeline (one forward pass over the calibration windows, statistics shared by every method):
+1. tokenize the calibration text into `seq_len` windows; the last `holdout` windows are held out;
+2. stream per-layer statistics (calib.statistics) through the model's observer, jit-compiled
+   per batch; they are saved after every batch to `<out>/stats.npz`, so an interrupted run
+   resumes where it stopped when rerun with the same --out and settings;
+3. build each method's (A, B) pairs (calib.transforms) in float64 on the host;
+4. choose per-layer clips for each bit width on the held-out windows (calib.clip);
+5. write one orbax checkpoint per method to `<out>/<method>/` (kvjax.storage) and a summary:
+   per-layer attention-output error at 2 bits on the held-out windows for identity, hadamard
+   and the calibrated methods (`<out>/summary.json`, printed as a table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from calib import clip as clip_lib
+from calib import errors
+from calib.data import split_holdout, token_windows
+from calib.statistics import finalize_stats, init_stats, required_stats, update_stats
+from calib.transforms import METHODS, TransformPair, build_transforms
+from kvjax import assets
+from kvjax.loading import LoadedModel, load_model
+from kvjax.model import capture_observed
+from kvjax.quantizers import QuantConfig
+from kvjax.storage import KVJAX_VERSION, save_transforms
+from kvjax.transforms import KVTransforms
+
+BASELINES = ("identity", "hadamard")  # always scored in the closing table
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrateConfig:
+    model: str | None = None  # HF dir or .gguf; None = shipped SmolLM2-135M-Instruct
+    data: str | None = None  # text file or dir of .txt; None = shipped Shakespeare calib plays
+    methods: tuple[str, ...] = ("wush",)
+    tokens: int = 65536  # calibration tokens (held-out windows come on top)
+    seq_len: int = 512
+    batch_size: int = 4
+    bits: tuple[int, ...] = (2,)  # bit widths to calibrate clips for
+    clips: str = "calibrated"  # or "paper" (OSCAR's 0.96 / 0.92 everywhere)
+    group_size: int | None = None
+    share: str = "head"  # or "layer": one transform per layer
+    gamma: float = 1e-2
+    seed: int = 0
+    holdout: int = 2  # held-out calibration windows for clips and the closing table
+    out: str = "runs/calib"
+    progress: bool = True
+
+
+# ------------------------------------------------------------------------------------------
+# statistics
+# ------------------------------------------------------------------------------------------
+
+
+def _o_proj_torch(m, layer: int) -> jax.Array:
+    return m.layers[layer].self_attn.o_proj.kernel[...].T.astype(jnp.float32)  # [D, Hq*d]
+
+
+def make_stats_step(lm: LoadedModel, names: frozenset[str]):
+    """jit(params, stats, tokens) -> stats: one batch through the model, observer accumulates."""
+    graphdef, _ = nnx.split(lm.model)
+    needs_wo = bool({"H_K", "H_V"} & names)
+
+    def step(params, stats, tokens):
+        m = nnx.merge(graphdef, params)
+        m.set_observer(lambda l, q, k, v, o: update_stats(
+            stats[l], q, k, v, o, w_o=_o_proj_torch(m, l) if needs_wo else None))
+        m(tokens)
+        return capture_observed(m)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def collect_statistics(
+    lm: LoadedModel,
+    windows: np.ndarray,  # i32[N, T]
+    names: frozenset[str],
+    batch_size: int,
+    resume_file: pathlib.Path | None = None,
+    resume_key: dict | None = None,
+    progress: bool = True,
+) -> tuple[list[dict], float]:
+    """Per-layer statistic sums over all windows; resumes from `resume_file` when it matches.
+
+    Returns (stats per layer, tokens/s of the statistics pass).
+    """
+    cfg = lm.cfg
+    stats = [init_stats(names, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    start = 0
+    if resume_file is not None and resume_file.is_file():
+        saved = np.load(resume_file, allow_pickle=False)
+        if json.loads(str(saved["key"])) == resume_key:
+            start = int(saved["batches_done"])
+            stats = [{n: jnp.asarray(saved[f"{i}/{n}"]) for n in stats[i]} for i in range(len(stats))]
+            print(f"resuming from {resume_file}: {start} batches already done", file=sys.stderr)
+        else:
+            print(f"{resume_file} was made with other settings; starting over", file=sys.stderr)
+    _, params = nnx.split(lm.model)
+    step = make_stats_step(lm, names)
+    n_batches = -(-len(windows) // batch_size)
+    bar = tqdm(total=len(windows) * windows.shape[1], initial=start * batch_size * windows.shape[1],
+               unit="tok", unit_scale=True, disable=not progress, desc="statistics")
+    t0, tokens_done = None, 0
+    for bi in range(start, n_batches):
+        batch = jnp.asarray(windows[bi * batch_size : (bi + 1) * batch_size])
+        stats = step(params, stats, batch)
+        jax.block_until_ready(stats)
+        if t0 is None:  # first batch includes compilation; time the rest
+            t0 = time.perf_counter()
+        else:
+            tokens_done += batch.size
+        bar.update(batch.size)
+        if resume_file is not None:
+            _save_resume(resume_file, stats, bi + 1, resume_key)
+    bar.close()
+    rate = tokens_done / (time.perf_counter() - t0) if tokens_done else float("nan")
+    return stats, rate
+
+
+def _save_resume(path: pathlib.Path, stats: list[dict], batches_done: int, key: dict) -> None:
+    arrays = {f"{i}/{n}": np.asarray(x) for i, s in enumerate(stats) for n, x in s.items()}
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, batches_done=batches_done, key=json.dumps(key, sort_keys=True), **arrays)
+    os.replace(tmp, path)
+
+
+def capture_activations(lm: LoadedModel, windows: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+    """Per layer (q, k, v) of `windows` (the held-out set), as float32 numpy."""
+    graphdef, params = nnx.split(lm.model)
+
+    @jax.jit
+    def run(params, tokens):
+        m = nnx.merge(graphdef, params)
+        m.set_observer(lambda l, q, k, v, o: (q, k, v))
+        m(tokens)
+        return capture_observed(m)
+
+    out = run(params, jnp.asarray(windows))
+    return [tuple(np.asarray(x) for x in layer) for layer in out]
+
+
+# ------------------------------------------------------------------------------------------
+# transforms, clips, summary
+# ------------------------------------------------------------------------------------------
+
+
+def build_method(method: str, final_stats: list[dict], lm: LoadedModel, cfg: CalibrateConfig
+                 ) -> list[TransformPair]:
+    w_o = [np.asarray(_o_proj_torch(lm.model, i)) for i in range(lm.cfg.num_layers)]
+    return [
+        build_transforms(method, final_stats[i], num_kv_heads=lm.cfg.num_kv_heads,
+                         head_dim=lm.cfg.head_dim, w_o=w_o[i], seed=cfg.seed * 100003 + i,
+                         gamma=cfg.gamma, share=cfg.share)
+        for i in range(lm.cfg.num_layers)
+    ]
+
+
+def to_kv_transforms(pairs: list[TransformPair], clip_k, clip_v) -> KVTransforms:
+    f = lambda name: jnp.asarray(np.stack([getattr(p, name) for p in pairs]), jnp.float32)  # noqa
+    return KVTransforms(f("A_K"), f("B_K"), f("A_V"), f("B_V"), jnp.asarray(clip_k, jnp.float32),
+                        jnp.asarray(clip_v, jnp.float32))
+
+
+def output_errors(acts, pairs, clips, w_o, bits, group_size=None) -> np.ndarray:
+    """Relative module-output error per layer, K and V both quantized (oscar quantizer)."""
+    qc = QuantConfig(method="oscar", bits=bits, group_size=group_size)
+    out = []
+    for (q, k, v), pr, (ck, cv), wo in zip(acts, pairs, zip(*clips), w_o):
+        d = k.shape[-1]
+        f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+        k_hat = errors.roundtrip(f(k), f(pr.A_K), f(pr.B_K), qc, ck)
+        v_hat = errors.roundtrip(f(v), f(pr.A_V), f(pr.B_V), qc, cv)
+        e = errors.attention_errors(f(q), f(k), f(v), k_hat, v_hat,
+                                    errors.w_o_heads(f(wo), k.shape[2], d), d**-0.5)
+        out.append(float(e["out_err"] / e["out_ref"]))
+    return np.asarray(out)
+
+
+def main(cfg: CalibrateConfig) -> dict:
+    methods = tuple(dict.fromkeys(cfg.methods))
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise ValueError(f"unknown method(s) {bad or '(none)'}; choose from {', '.join(METHODS)}")
+    for b in cfg.bits:
+        if b not in (2, 3, 4):
+            raise ValueError(f"bits={b}; supported 2, 3, 4")
+    if cfg.clips not in ("calibrated", "paper"):
+        raise ValueError(f"clips={cfg.clips!r}; use 'calibrated' or 'paper'")
+    out = pathlib.Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    lm = load_model(cfg.model)
+    text = assets.load_text(cfg.data, split="calibration")
+    n_cal = -(-cfg.tokens // cfg.seq_len)
+    windows = token_windows(text, lm.tokenizer, cfg.seq_len, n_cal + cfg.holdout)
+    if len(windows) <= cfg.holdout:
+        raise ValueError(f"calibration text gives {len(windows)} windows of {cfg.seq_len} "
+                         f"tokens; need more than holdout={cfg.holdout}")
+    cal, held = split_holdout(windows, cfg.holdout)
+    all_methods = tuple(dict.fromkeys(BASELINES + methods))
+    names = required_stats(all_methods) | {"C_Q"}  # C_Q weights the key clip error
+    key = dict(fingerprint=lm.fingerprint, data=cfg.data or "shipped", seq_len=cfg.seq_len,
+               windows=int(len(cal)), batch_size=cfg.batch_size, stats=sorted(names))
+    stats, rate = collect_statistics(lm, cal, frozenset(names), cfg.batch_size,
+                                     out / "stats.npz", key, cfg.progress)
+    final = [finalize_stats(s) for s in stats]
+    acts = capture_activations(lm, held)
+    w_o = [np.asarray(_o_proj_torch(lm.model, i)) for i in range(lm.cfg.num_layers)]
+    c_q = [f["C_Q"] for f in final]
+
+    summary = dict(model=lm.source, fingerprint=lm.fingerprint, tokens=int(cal.size),
+                   heldout_tokens=int(held.size), stats_tokens_per_s=rate, methods={})
+    table_bits = 2 if 2 in cfg.bits else cfg.bits[0]
+    for method in all_methods:
+        pairs = build_method(method, final, lm, cfg)
+        clips_by_bits = {}
+        for b in sorted(set(cfg.bits) | {table_bits}):
+            if cfg.clips == "paper":
+                ck = np.full(lm.cfg.num_layers, clip_lib.PAPER_CLIPS[0], np.float32)
+                cv = np.full(lm.cfg.num_layers, clip_lib.PAPER_CLIPS[1], np.float32)
+            else:
+                ck, cv = clip_lib.calibrate_clips(acts, pairs, c_q, w_o, bits=b,
+                                                  group_size=cfg.group_size)
+            clips_by_bits[b] = (ck, cv)
+        err = output_errors(acts, pairs, clips_by_bits[table_bits], w_o, table_bits,
+                            cfg.group_size)
+        summary["methods"][method] = dict(
+            output_error=err.tolist(),
+            clips={str(b): dict(k=c[0].tolist(), v=c[1].tolist()) for b, c in clips_by_bits.items()},
+        )
+        if method in methods:
+            primary = cfg.bits[0]
+            tf = to_kv_transforms(pairs, *clips_by_bits[primary])
+            meta = dict(
+                method=method, gamma=cfg.gamma, share=cfg.share, seed=cfg.seed,
+                group_size=cfg.group_size, clip_mode=cfg.clips, clip_bits=primary,
+                clips_by_bits=summary["methods"][method]["clips"],
+                model_fingerprint=lm.fingerprint, model_source=lm.source,
+                model_config=lm.cfg.to_dict(), tokens=int(cal.size), seq_len=cfg.seq_len,
+                data=cfg.data or "shipped Shakespeare calibration plays "
+                                 f"({', '.join(assets.CALIBRATION_PLAYS)})",
+                kvjax_version=KVJAX_VERSION,
+            )
+            save_transforms(out / method, tf, meta)
+    summary["seconds"] = time.perf_counter() - t_start
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_table(summary, table_bits)
+    return summary
+
+
+def print_table(summary: dict, bits: int) -> None:
+    methods = list(summary["methods"])
+    print(f"\nattention-output relative error at {bits} bits on "
+          f"{summary['heldout_tokens']} held-out calibration tokens (K and V quantized, no windows)")
+    print("| layer | " + " | ".join(methods) + " |")
+    print("|---" * (len(methods) + 1) + "|")
+    errs = [summary["methods"][m]["output_error"] for m in methods]
+    for i in range(len(errs[0])):
+        print(f"| {i} | " + " | ".join(f"{e[i]:.4f}" for e in errs) + " |")
+    print("| mean | " + " | ".join(f"{np.mean(e):.4f}" for e in errs) + " |")
+    print(f"statistics pass: {summary['stats_tokens_per_s']:.0f} tokens/s; "
+          f"total {summary['seconds']:.0f}s")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
+    d = CalibrateConfig()
+    p = argparse.ArgumentParser(prog="python -m kvjax.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--data", default=None)
+    p.add_argument("--method", nargs="+", default=list(d.methods), dest="methods",
+                   help=f"one or more of: {', '.join(METHODS)}")
+    p.add_argument("--tokens", type=int, default=d.tokens)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--bits", type=int, nargs="+", default=list(d.bits))
+    p.add_argument("--clips", choices=("calibrated", "paper"), default=d.clips)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--share", choices=("head", "layer"), default=d.share)
+    p.add_argument("--gamma", type=float, default=d.gamma)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--holdout", type=int, default=d.holdout)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    return CalibrateConfig(
+        model=a.model, data=a.data, methods=tuple(a.methods), tokens=a.tokens, seq_len=a.seq_len,
+        batch_size=a.batch_size, bits=tuple(a.bits), clips=a.clips, group_size=a.group_size,
+        share=a.share, gamma=a.gamma, seed=a.seed, holdout=a.holdout, out=a.out,
+        progress=not a.no_progress,
+    )
+
+
+if __name__ == "__main__":
+    main(parse_args())
