@@ -48,6 +48,7 @@ class BenchConfig:
       backend: 'gpu' or 'tpu' (TPU runs only the Pallas variants and XLA).
       num_splits, pages_per_block, num_warps, num_stages: kernel tuning (None = defaults).
       out: JSON path; a markdown table is written beside it (.md).
+      tune: run the low-bit attribution/tuning sweep (`tune_lowbit`) instead of the table.
     """
 
     points: tuple[tuple[int, int], ...] = DEFAULT_POINTS
@@ -74,6 +75,7 @@ class BenchConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     out: str = "results/bench_decode.json"
+    tune: bool = False
 
 
 # ------------------------------------------------------------------------------------------
@@ -293,6 +295,62 @@ def quantize_pack_step_cost(cfg: BenchConfig, batch: int) -> dict:
     return out
 
 
+def tune_lowbit(cfg: BenchConfig, ceiling: float) -> list[dict]:
+    """Attribution and tuning sweep of the low-bit kernel (where does the time go?).
+
+    Per point: bits 2 and 4 at the configured tuning, 2 bits without the in-kernel transforms,
+    2 bits with no low-bit tokens (the full-precision segment alone), then a grid over
+    pages_per_block x num_splits x num_warps x num_stages for 2 bits.
+    """
+    sm = cfg.head_dim**-0.5
+    rows = []
+    for batch, ctx in cfg.points:
+        key = jax.random.key(batch * 7919 + ctx)
+        xs = {bits: _make_lowbit_inputs(cfg, batch, ctx, bits, key) for bits in (2, 4)}
+        base = dict(
+            num_splits=cfg.num_splits,
+            pages_per_block=cfg.pages_per_block,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        runs = [("int2", 2, {}, base), ("int4", 4, {}, base)]
+        runs.append(("int2_no_transforms", 2, dict(query_transform=None, value_inverse=None), base))
+        runs.append(("int2_fp_segment_only", 2, dict(q_len=jnp.zeros((batch,), jnp.int32)), base))
+        for ppb in (8, 16, 32):
+            for splits in (None, 4 * _auto(cfg, batch, ctx, ppb)):
+                for warps in (4, 8):
+                    for stages in (2, 4):
+                        t = dict(
+                            num_splits=splits,
+                            pages_per_block=ppb,
+                            num_warps=warps,
+                            num_stages=stages,
+                        )
+                        runs.append(("int2_tune", 2, {}, t))
+        for name, bits, override, t in runs:
+            x = dict(xs[bits], **override)
+            nbytes = _bytes_lowbit(cfg, batch, ctx, bits)[0]
+            row = dict(variant=name, batch=batch, context=ctx, bytes_read=nbytes, **t)
+            try:
+                f = jax.jit(
+                    lambda x, bits=bits, t=t: da.decode_attention(
+                        **x, bits=bits, sm_scale=sm, backend=cfg.backend, **t
+                    )
+                )
+                sec = _time_jax(lambda f=f, x=x: f(x), cfg)
+                row.update(time_ms=sec * 1e3, fraction_of_ceiling=nbytes / sec / ceiling)
+            except Exception as e:
+                row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _auto(cfg: BenchConfig, batch: int, ctx: int, ppb: int) -> int:
+    n_q = _split_context(cfg, ctx)[1]
+    return da._auto_splits(batch, cfg.kv_heads, max(1, n_q // cfg.page_size), ppb)
+
+
 def _speedups(rows: list[dict]) -> list[dict]:
     """Per point: speedup of each Pallas low-bit row over the best JAX BF16 and torch rows."""
     out = []
@@ -365,6 +423,18 @@ def main(cfg: BenchConfig) -> dict:
     dev = jax.devices()[0]
     ceiling = read_bandwidth_ceiling()
     print(f"device={dev.device_kind} read ceiling {ceiling / 1e9:.0f} GB/s", flush=True)
+    if cfg.tune:
+        out = Path(cfg.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        rows = tune_lowbit(cfg, ceiling)
+        res = dict(
+            device=dev.device_kind,
+            jax_version=jax.__version__,
+            read_ceiling_GBps=ceiling / 1e9,
+            tune_rows=rows,
+        )
+        out.write_text(json.dumps(res, indent=1))
+        return res
     rows = []
     for batch, ctx in cfg.points:
         rows += bench_point(cfg, batch, ctx, ceiling)
@@ -418,6 +488,7 @@ if __name__ == "__main__":
     p.add_argument("--num-stages", type=int, default=None)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="results/bench_decode.json")
+    p.add_argument("--tune", action="store_true", help="low-bit attribution/tuning sweep")
     a = p.parse_args()
     c = BenchConfig(
         points=a.points,
