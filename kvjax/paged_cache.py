@@ -103,10 +103,11 @@ class CacheConfig:
             return self.sink
         return self.sink + (over // self.flush) * self.flush
 
-    def fp_pages_per_seq(self, max_new: int) -> int:
-        """Full-precision pages one sequence can hold at once during a `max_new`-token step."""
+    def fp_pages_per_seq(self) -> int:
+        """Full-precision pages one sequence can hold during a step: sink pages, the recent pages
+        being flushed by the step, and the recent pages after it (each under keep + flush)."""
         p = self.page_size
-        return self.sink // p + -(-(self.keep + self.flush + max_new) // p) + 1
+        return self.sink // p + 2 * (-(-(self.keep + self.flush) // p) + 1)
 
     def lowbit_pages_per_seq(self) -> int:
         return -(-max(0, self.max_seq_len - self.sink) // self.page_size)
@@ -164,7 +165,7 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """Allocates the pools (filled with NaN so a stray read of an unowned slot shows)."""
         transforms.check_matches(model_cfg)
-        n_fp = cache_cfg.num_fp_pages or batch_size * cache_cfg.fp_pages_per_seq(max_new_tokens)
+        n_fp = cache_cfg.num_fp_pages or batch_size * cache_cfg.fp_pages_per_seq()
         n_q = cache_cfg.num_lowbit_pages or max(1, batch_size * cache_cfg.lowbit_pages_per_seq())
         pools = tuple(
             _make_pools(model_cfg, cache_cfg, n_fp, n_q) for _ in range(model_cfg.num_layers)
@@ -442,7 +443,7 @@ class PageManager:
                 f"nothing was changed")
         self.free_fp, self.free_low, self._pending_free_fp = free_fp, free_low, []
 
-        m_fp = cfg.fp_pages_per_seq(t)
+        m_fp = cfg.fp_pages_per_seq()
         m_q = max(1, cfg.lowbit_pages_per_seq())
         f_max = min(cfg.keep + cfg.flush, t + cfg.flush)
         drop_fp = self.num_fp_pages * p

@@ -1,0 +1,205 @@
+"""Paged mixed-precision cache: policy invariants, page accounting, isolation, exactness."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax.config import ModelConfig
+from kvjax.model import Transformer
+from kvjax.paged_cache import CacheConfig, PagedKVCache, PageManager, PagePoolExhausted
+from kvjax.quantizers import QuantConfig
+from kvjax.transforms import KVTransforms
+
+CFG = ModelConfig(model_type="llama", vocab_size=61, hidden_size=64, intermediate_size=96,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+SMALL = CacheConfig(sink=8, keep=8, flush=8, page_size=4, quant=None, max_seq_len=96)
+
+
+def random_orthogonal_transforms(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    a = np.stack([np.stack([np.linalg.qr(rng.normal(size=(cfg.head_dim,) * 2))[0]
+                            for _ in range(cfg.num_kv_heads)]) for _ in range(cfg.num_layers)])
+    a = jnp.asarray(a, jnp.float32)
+    at = jnp.swapaxes(a, -1, -2)
+    ones = jnp.ones((cfg.num_layers,))
+    return KVTransforms(a, at, a, at, ones, ones)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def step(model):
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(tokens, cache):
+        return nnx.merge(graphdef, params)(tokens, cache)
+
+    return run
+
+
+def run_chunks(step, cache, mgr, tokens, chunks):
+    outs, i = [], 0
+    for c in chunks:
+        cache = mgr.prepare(cache, c)
+        out, cache = step(jnp.asarray(tokens[:, i : i + c]), cache)
+        outs.append(np.asarray(out))
+        i += c
+    return np.concatenate(outs, axis=1), cache
+
+
+@given(st.lists(st.integers(1, 13), min_size=1, max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_segment_boundaries_and_page_accounting(chunks):
+    """Host bookkeeping alone (no model): segments follow the policy after any call sequence."""
+    cc = SMALL
+    cache = PagedKVCache.create(CFG, dataclasses.replace(cc, max_seq_len=200), KVTransforms.identity(CFG), 1,
+                                max_new_tokens=16)
+    mgr = PageManager(cache)
+    total = 0
+    for c in chunks:
+        mgr.prepare(cache, c)
+        total += c
+        sink, low, recent = mgr.segments(0)
+        assert sink == min(total, cc.sink)
+        assert low % cc.flush == 0 and low >= 0
+        if total > cc.sink:
+            assert recent >= min(cc.keep, total - cc.sink)  # at least `keep` stay full precision
+            assert recent < cc.keep + cc.flush  # and no more than one flush unit beyond
+        s = mgr.seqs[0]
+        p = cc.page_size
+        assert len(s.low_pages) == low // p
+        assert len(s.sink_pages) == -(-sink // p)
+        assert len(s.recent_pages) == -(-recent // p)
+        # Every page is owned once or free (pending frees are free from the next step on).
+        owned = s.sink_pages + list(s.recent_pages.values())
+        assert len(set(owned)) == len(owned)
+        assert not set(owned) & set(mgr.free_fp)
+        assert len(owned) + len(mgr.free_fp) + len(mgr._pending_free_fp) == mgr.num_fp_pages
+        assert len(s.low_pages) + len(mgr.free_low) == mgr.num_low_pages
+
+
+def test_identity_quantizer_equals_full_precision(model, step):
+    """quant=None (identity quantizer), random orthogonal transforms: exactly the dense model."""
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 60))
+    full, _ = model(jnp.asarray(tokens))
+    cache = PagedKVCache.create(CFG, SMALL, random_orthogonal_transforms(CFG), 2, max_new_tokens=16)
+    mgr = PageManager(cache)
+    got, _ = run_chunks(step, cache, mgr, tokens, [5, 16, 1, 1, 7, 3, 1, 10, 16])
+    np.testing.assert_allclose(got, np.asarray(full), atol=2e-5)
+    assert mgr.segments(0)[1] > 0  # the low-bit segment was exercised
+
+
+def test_single_token_decode_matches_full_sequence(model, step):
+    tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, 40))
+    full, _ = model(jnp.asarray(tokens))
+    cache = PagedKVCache.create(CFG, SMALL, KVTransforms.identity(CFG), 1, max_new_tokens=1)
+    mgr = PageManager(cache)
+    got, _ = run_chunks(step, cache, mgr, tokens, [1] * 40)
+    np.testing.assert_allclose(got, np.asarray(full), atol=2e-5)
+
+
+def test_value_folding_with_identity_quantizer_reproduces_model(model):
+    tf = random_orthogonal_transforms(CFG, seed=3)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 30)))
+    full, _ = model(tokens)
+    folded = nnx.clone(model)
+    from kvjax.transforms import fold_value_transforms
+
+    tf_folded = fold_value_transforms(folded, tf)
+    assert tf_folded.values_folded
+    cache = PagedKVCache.create(CFG, SMALL, tf_folded, 1, max_new_tokens=30)
+    mgr = PageManager(cache)
+    cache = mgr.prepare(cache, 30)
+    out, _ = folded(tokens, cache)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(full), atol=3e-5)
+
+
+def test_sequences_of_different_lengths_do_not_leak(model, step):
+    """Two sequences advanced by different real-token counts give each its own solo result."""
+    rng = np.random.default_rng(4)
+    toks = rng.integers(0, CFG.vocab_size, (2, 48))
+    cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2))
+    tf = random_orthogonal_transforms(CFG)
+    # Together: sequence 1 gets only 6 real tokens per call for the first 4 calls.
+    cache = PagedKVCache.create(CFG, cc, tf, 2, max_new_tokens=12)
+    mgr = PageManager(cache)
+    seq1_outs, seq0_outs = [], []
+    pos0 = pos1 = 0
+    for _ in range(4):
+        cache = mgr.prepare(cache, [12, 6])
+        batch = np.stack([toks[0, pos0 : pos0 + 12], np.pad(toks[1, pos1 : pos1 + 6], (0, 6))])
+        out, cache = step(jnp.asarray(batch), cache)
+        seq0_outs.append(np.asarray(out[0]))
+        seq1_outs.append(np.asarray(out[1, :6]))
+        pos0, pos1 = pos0 + 12, pos1 + 6
+    assert mgr.lengths == [48, 24]
+    for seq, chunk, outs in ((0, 12, seq0_outs), (1, 6, seq1_outs)):
+        solo = PagedKVCache.create(CFG, cc, tf, 1, max_new_tokens=12)
+        m = PageManager(solo)
+        got, _ = run_chunks(step, solo, m, toks[seq : seq + 1], [chunk] * 4)
+        np.testing.assert_allclose(np.concatenate(outs), got[0], atol=1e-4)
+
+
+def test_nan_in_unused_pages_never_reaches_output(model, step):
+    """Pools start NaN-filled; poison every free page again mid-run: outputs stay finite."""
+    tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 40))
+    cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2))
+    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1, max_new_tokens=8)
+    mgr = PageManager(cache)
+    out, cache = run_chunks(step, cache, mgr, tokens[:, :24], [8, 8, 8])
+    free_fp = np.asarray(mgr.free_fp + mgr._pending_free_fp, np.int32)
+    free_low = np.asarray(mgr.free_low, np.int32)
+    pools = tuple(
+        dataclasses.replace(
+            pl,
+            k_fp=pl.k_fp.at[free_fp].set(jnp.nan) if len(free_fp) else pl.k_fp,
+            v_fp=pl.v_fp.at[free_fp].set(jnp.nan) if len(free_fp) else pl.v_fp,
+            k_low=(pl.k_low[0], pl.k_low[1].at[free_low].set(jnp.nan), pl.k_low[2]),
+            v_low=(pl.v_low[0], pl.v_low[1].at[free_low].set(jnp.nan), pl.v_low[2]),
+        )
+        for pl in cache.pools
+    )
+    cache = cache.replace(pools=pools)
+    out2, _ = run_chunks(step, cache, mgr, tokens[:, 24:], [1] * 16)
+    assert np.isfinite(out).all() and np.isfinite(out2).all()
+
+
+def test_pool_exhaustion_is_clear_and_changes_nothing(model, step):
+    cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), num_lowbit_pages=5)
+    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1, max_new_tokens=16)
+    mgr = PageManager(cache)
+    tokens = np.random.default_rng(6).integers(0, CFG.vocab_size, (1, 64))
+    ref, cache = run_chunks(step, cache, mgr, tokens[:, :32], [16, 16])  # 16 low-bit tokens
+    before = (mgr.lengths, mgr.pages_in_use(), list(mgr.free_low), list(mgr.free_fp))
+    with pytest.raises(PagePoolExhausted, match="low-bit page pool exhausted"):
+        mgr.prepare(cache, 16)  # would need 4 more low-bit pages, 1 is free
+    assert (mgr.lengths, mgr.pages_in_use(), list(mgr.free_low), list(mgr.free_fp)) == before
+    # The stored sequence is intact: decoding on continues exactly as without the failed call.
+    cache = mgr.prepare(cache, 1)
+    out, _ = step(jnp.asarray(tokens[:, 32:33]), cache)
+    fresh = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1, max_new_tokens=16)
+    m2 = PageManager(fresh)
+    want, _ = run_chunks(step, fresh, m2, tokens[:, :33], [16, 16, 1])
+    np.testing.assert_allclose(np.asarray(out[0, -1]), want[0, -1], atol=1e-5)
+
+
+def test_memory_accounting_reports_low_bits():
+    cfg_big = dataclasses.replace(CFG, num_layers=1)
+    q = PagedKVCache.create(cfg_big, dataclasses.replace(SMALL, quant=QuantConfig(bits=2),
+                                                          max_seq_len=4096, fp_dtype="bfloat16"),
+                            KVTransforms.identity(cfg_big), 1)
+    f = PagedKVCache.create(cfg_big, dataclasses.replace(SMALL, quant=None, max_seq_len=4096,
+                                                          fp_dtype="bfloat16"),
+                            KVTransforms.identity(cfg_big), 1)
+    # head_dim 32 at 2 bits: 8 bytes codes + 2x2 bytes fp16 scale/zero per head-token = 12 vs 64.
+    assert q.allocated_bytes() < 0.25 * f.allocated_bytes()
