@@ -68,7 +68,7 @@ def _validate(
     )
     if clip is not None:
         if method == "minmax":
-            raise ValueError(f"clip={clip!r} given for method='minmax', which never clips")
+            raise ValueError("clip given for method='minmax', which never clips")
         shape = jnp.shape(clip)
         if shape not in ((), (hkv,)):
             raise ValueError(f"clip shape {shape} must be () or (Hkv,) = ({hkv},)")
@@ -163,8 +163,9 @@ def quantize_pack(
     if backend not in ("gpu", "tpu"):
         raise ValueError(f"backend={backend!r} must be 'gpu' or 'tpu'")
     t = _DEFAULT_BLOCK_TOKENS[backend] if block_tokens is None else block_tokens
-    if t <= 0 or (backend == "gpu" and t & (t - 1)):
-        raise ValueError(f"block_tokens={t} must be a positive power of two")
+    # Triton tensors need power-of-two extents; Mosaic tiles rows in multiples of 8 sublanes.
+    if t <= 0 or (backend == "gpu" and t & (t - 1)) or (backend == "tpu" and t % 8):
+        raise ValueError(f"block_tokens={t}: need a power of two (gpu) / multiple of 8 (tpu)")
     n_tok, hkv, d = x.shape
     n_pad = -(-n_tok // t) * t
     xh = jnp.swapaxes(x, 0, 1)  # [Hkv, N, d]: head-major so a block is a 2-D [T, d] tile

@@ -136,3 +136,29 @@ def test_page_layout_bad_num_pages():
     lay = layout.PageLayout(16, 1, 64)
     with pytest.raises(ValueError, match="num_pages=0"):
         lay.codes_shape(0)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int32])
+def test_pack_tile_matches_pack_codes(bits, dtype):
+    """The kernel-side (reshape + sum) packer produces the same bytes as pack_codes."""
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 2**bits, size=(16, 128)).astype(np.uint8)
+    tile = layout.pack_tile(jnp.asarray(codes, dtype), bits)
+    assert tile.dtype == dtype
+    np.testing.assert_array_equal(
+        np.asarray(tile).astype(np.uint8), np.asarray(layout.pack_codes(jnp.asarray(codes), bits))
+    )
+
+
+def test_scatter_tokens_writes_only_addressed_slots():
+    lay = layout.PageLayout(page_size=4, num_kv_heads=2, head_dim=64, fp_dtype="float32")
+    pool = jnp.full(lay.fp_shape(3), jnp.nan, jnp.float32)
+    values = jnp.arange(3 * 2 * 64, dtype=jnp.float32).reshape(3, 2, 64)
+    page, slot = jnp.asarray([2, 0, 2]), jnp.asarray([1, 3, 0])
+    out = np.asarray(layout.scatter_tokens(pool, values, page, slot))
+    for i in range(3):
+        np.testing.assert_array_equal(out[int(page[i]), :, int(slot[i])], np.asarray(values[i]))
+    assert np.isnan(out).sum() == out.size - 3 * 2 * 64
+    with pytest.raises(ValueError, match="values.shape"):
+        layout.scatter_tokens(pool, values[:, :, :32], page, slot)

@@ -1,0 +1,171 @@
+"""quantize+pack kernel vs its pure-jnp reference (interpret mode on CPU).
+
+Kernel error is tested apart from quantization error: both paths get identical inputs and must
+agree exactly (codes, scale, zero). On CPU interpret mode the matmul rounds identically in both,
+so there are no ties to excuse; quantization quality is tested in tests/kvjax/test_quantizers.py.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import layout
+from pallas_kernels.quantize_pack import quantize_pack, quantize_pack_to_pages, ref_quantize_pack
+
+
+def _inputs(n, hkv, d, *, dist="t", dtype=jnp.float32, seed=0):
+    kx, ka = jax.random.split(jax.random.key(seed))
+    if dist == "t":
+        x = jax.random.t(kx, 5.0, (n, hkv, d))
+    else:  # integer-valued: many ties in |x A| when A is a permutation-like transform
+        x = jax.random.randint(kx, (n, hkv, d), -3, 4).astype(jnp.float32)
+    if dist == "ties":
+        a = jnp.broadcast_to(jnp.eye(d)[::-1], (hkv, d, d))
+    else:
+        a = jnp.linalg.qr(jax.random.normal(ka, (hkv, d, d)))[0]
+    return x.astype(dtype), a.astype(jnp.float32)
+
+
+# (bits, head_dim, group_size, Hkv, method, clip kind, input dist, meta dtype). Cases 0-2 and
+# cases 3-5 each cover every value of bits {2,4}, d {64,128}, G {32,64,d}, Hkv {1,3,8}; each
+# backend runs one covering half by default and the other half (and the full product) as slow.
+CASES = [
+    (2, 64, 32, 1, "oscar", "scalar", "t", "float16"),
+    (4, 128, 64, 3, "oscar", "per_head", "ties", "bfloat16"),
+    (2, 128, 128, 8, "quest", None, "t", "float16"),
+    (4, 64, 64, 8, "minmax", None, "t", "float32"),
+    (2, 128, 32, 3, "oscar", "per_head", "t", "float16"),
+    (4, 128, 128, 1, "oscar", None, "ties", "float16"),
+]
+
+
+def _case_params(fast):
+    return [
+        pytest.param(c, id="-".join(map(str, c)), marks=() if i in fast else pytest.mark.slow)
+        for i, c in enumerate(CASES)
+    ]
+
+
+def _clip(kind, hkv):
+    if kind == "scalar":
+        return 0.92
+    if kind == "per_head":
+        return jnp.linspace(0.8, 1.0, hkv)
+    return None
+
+
+class QuantizePackTest:
+    BACKEND = "gpu"
+
+    @staticmethod
+    def interpret():
+        return True
+
+    def _check(self, bits, d, g, hkv, method, clip_kind, dist, meta, *, n=19, dtype=jnp.float32):
+        x, a = _inputs(n, hkv, d, dist=dist, dtype=dtype)
+        clip = _clip(clip_kind, hkv)
+        kw = dict(method=method, bits=bits, group_size=g, meta_dtype=meta)
+        ref = ref_quantize_pack(x, a, clip, **kw)
+        out = quantize_pack(x, a, clip, backend=self.BACKEND, interpret=self.interpret(), **kw)
+        lay = layout.PageLayout(1, hkv, d, bits, g, meta)
+        assert out[0].shape == lay.token_codes_shape(n) and out[0].dtype == jnp.uint8
+        assert out[1].shape == lay.token_meta_shape(n) and out[1].dtype == lay.meta_jnp_dtype
+        for name, r, o in zip(("codes", "scale", "zero"), ref, out):
+            assert r.shape == o.shape and r.dtype == o.dtype, name
+            np.testing.assert_array_equal(np.asarray(o), np.asarray(r), err_msg=name)
+        return ref, out
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        ("bits", "d", "g", "hkv"),
+        [
+            (b, d, g, h)
+            for b, d, g, h in itertools.product((2, 4), (64, 128), (32, 64, None), (1, 3, 8))
+        ],
+    )
+    def test_full_sweep(self, bits, d, g, hkv):
+        self._check(bits, d, g or d, hkv, "oscar", "per_head", "t", "float16")
+
+
+class TestQuantizePackGpuInterpret(QuantizePackTest):
+    @pytest.mark.parametrize("case", _case_params(fast=(3, 4, 5)))
+    def test_matches_reference(self, case):
+        self._check(*case)
+
+    def test_bf16_input_and_partial_block(self):
+        self._check(2, 64, 32, 3, "oscar", "scalar", "t", "float16", n=5, dtype=jnp.bfloat16)
+
+    # The page write is a scatter in the wrapper, identical for both backends: test it once.
+    def test_write_into_nan_pages(self):
+        n, hkv, d, g, page = 5, 3, 64, 32, 4
+        x, a = _inputs(n, hkv, d)
+        lay = layout.PageLayout(page, hkv, d, 2, g)
+        codes_pool = jnp.full(lay.codes_shape(6), 0xFF, jnp.uint8)
+        scale_pool = jnp.full(lay.meta_shape(6), jnp.nan, lay.meta_jnp_dtype)
+        zero_pool = jnp.full(lay.meta_shape(6), jnp.nan, lay.meta_jnp_dtype)
+        page_idx = jnp.asarray([2, 2, 2, 2, 5], jnp.int32)
+        slot = jnp.asarray([0, 1, 2, 3, 0], jnp.int32)
+        cp, sp, zp = quantize_pack_to_pages(
+            x,
+            a,
+            codes_pool,
+            scale_pool,
+            zero_pool,
+            page_idx,
+            slot,
+            0.96,
+            bits=2,
+            group_size=g,
+            backend=self.BACKEND,
+            interpret=self.interpret(),
+        )
+        ref = ref_quantize_pack(x, a, 0.96, bits=2, group_size=g)
+        for pool, r in zip((cp, sp, zp), ref):
+            got = pool[page_idx, :, slot]  # [N, Hkv, w]
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(r))
+        # Untouched pages keep their poison values.
+        assert bool(jnp.all(cp[0] == 0xFF)) and bool(jnp.all(jnp.isnan(sp[3])))
+        assert bool(jnp.all(jnp.isnan(zp[5, :, 1:])))
+
+
+class TestQuantizePackTpuInterpret(QuantizePackTest):
+    BACKEND = "tpu"
+
+    @staticmethod
+    def interpret():
+        return pltpu.InterpretParams()
+
+    @pytest.mark.parametrize("case", _case_params(fast=(0, 1, 2)))
+    def test_matches_reference(self, case):
+        self._check(*case, n=16)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize(
+    ("kwargs", "msg"),
+    [
+        (dict(bits=3), "bits=3"),
+        (dict(group_size=48), "group_size=48"),
+        (dict(clip=jnp.ones((2,))), "clip shape"),
+        (dict(method="minmax", clip=0.9), "method=.minmax."),
+        (dict(block_tokens=12), "block_tokens=12"),
+    ],
+)
+def test_validation(backend, kwargs, msg):
+    x, a = jnp.ones((4, 3, 64)), jnp.ones((3, 64, 64))
+    kwargs = dict(kwargs)
+    clip = kwargs.pop("clip", None)
+    with pytest.raises(ValueError, match=msg):
+        quantize_pack(x, a, clip, backend=backend, interpret=True, **kwargs)
+
+
+def test_shape_validation():
+    x, a = jnp.ones((4, 3, 64)), jnp.ones((3, 64, 64))
+    with pytest.raises(ValueError, match="a.shape"):
+        quantize_pack(x, a[:2], interpret=True)
+    with pytest.raises(ValueError, match="x.shape"):
+        ref_quantize_pack(x[0], a)
