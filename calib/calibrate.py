@@ -37,7 +37,7 @@ from calib import clip as clip_lib
 from calib import errors
 from calib.data import split_holdout, token_windows
 from calib.statistics import finalize_stats, init_stats, required_stats, update_stats
-from calib.transforms import METHODS, TransformPair, build_transforms
+from calib.transforms import _HADAMARD_METHODS, METHODS, TransformPair, build_transforms
 from kvjax import assets
 from kvjax.loading import LoadedModel, load_model
 from kvjax.model import capture_observed
@@ -211,6 +211,12 @@ def main(cfg: CalibrateConfig) -> dict:
     t_start = time.perf_counter()
 
     lm = load_model(cfg.model)
+    d = lm.cfg.head_dim
+    if d & (d - 1):
+        bad = [m for m in methods if m in _HADAMARD_METHODS]
+        if bad:
+            raise ValueError(f"method(s) {bad} use a Hadamard matrix and need a power-of-two "
+                             f"head_dim; this model has head_dim={d}")
     text = assets.load_text(cfg.data, split="calibration")
     n_cal = -(-cfg.tokens // cfg.seq_len)
     windows = token_windows(text, lm.tokenizer, cfg.seq_len, n_cal + cfg.holdout)
@@ -218,7 +224,8 @@ def main(cfg: CalibrateConfig) -> dict:
         raise ValueError(f"calibration text gives {len(windows)} windows of {cfg.seq_len} "
                          f"tokens; need more than holdout={cfg.holdout}")
     cal, held = split_holdout(windows, cfg.holdout)
-    all_methods = tuple(dict.fromkeys(BASELINES + methods))
+    baselines = tuple(m for m in BASELINES if not (d & (d - 1) and m in _HADAMARD_METHODS))
+    all_methods = tuple(dict.fromkeys(baselines + methods))
     names = required_stats(all_methods) | {"C_Q"}  # C_Q weights the key clip error
     key = dict(fingerprint=lm.fingerprint, data=cfg.data or "shipped", seq_len=cfg.seq_len,
                windows=int(len(cal)), batch_size=cfg.batch_size, stats=sorted(names))

@@ -1,0 +1,157 @@
+"""The calibration pipeline end to end: checkpoints, resume, storage checks, bad input, and the
+directional result on real activations of the shipped model."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from calib import calibrate as cal
+from kvjax import assets
+from kvjax.storage import TransformsCheckpointError, load_transforms, read_metadata
+from kvjax.tokenizer import Tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved as a local HF checkpoint with the real SmolLM2 tokenizer."""
+    d = tmp_path_factory.mktemp("tiny_llama")
+    tok = Tokenizer.from_gguf(assets.default_model_path())
+    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_hf_dir(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("text") / "calib.txt"
+    f.write_text(assets.load_play("tempest")[:60000])
+    return f
+
+
+def _cfg(model, data, out, **kw):
+    base = dict(model=str(model), data=str(data), methods=("wush", "oscar"), tokens=1024,
+                seq_len=128, batch_size=2, bits=(2, 4), holdout=1, out=str(out), progress=False)
+    base.update(kw)
+    return cal.CalibrateConfig(**base)
+
+
+def test_end_to_end_tiny(tiny_dir, text_file, tmp_path):
+    summary = cal.main(_cfg(tiny_dir, text_file, tmp_path))
+    assert set(summary["methods"]) == {"identity", "hadamard", "wush", "oscar"}
+    for m in ("wush", "oscar"):
+        tf, meta = load_transforms(tmp_path / m)
+        assert meta["method"] == m and meta["tokens"] == 1024
+        assert set(meta["clips_by_bits"]) == {"2", "4"}
+        eye = np.eye(32)
+        np.testing.assert_allclose(np.asarray(tf.a_k @ tf.b_k), np.broadcast_to(eye, tf.a_k.shape),
+                                   atol=1e-4)
+        assert np.all((np.asarray(tf.clip_k) > 0) & (np.asarray(tf.clip_k) <= 1))
+    assert not (tmp_path / "identity").exists()  # baselines are scored, not saved
+
+
+def test_interrupted_run_resumes_to_the_same_result(tiny_dir, text_file, tmp_path, monkeypatch):
+    clean = tmp_path / "clean"
+    cal.main(_cfg(tiny_dir, text_file, clean, methods=("wush",), bits=(2,)))
+
+    resumed = tmp_path / "resumed"
+    real_save = cal._save_resume
+    calls = {"n": 0}
+
+    def save_then_die(*args):
+        real_save(*args)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cal, "_save_resume", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        cal.main(_cfg(tiny_dir, text_file, resumed, methods=("wush",), bits=(2,)))
+    assert not (resumed / "wush").exists()  # no checkpoint that looks valid
+    monkeypatch.setattr(cal, "_save_resume", real_save)
+    saved = np.load(resumed / "stats.npz")
+    assert int(saved["batches_done"]) == 2
+    cal.main(_cfg(tiny_dir, text_file, resumed, methods=("wush",), bits=(2,)))
+    a, _ = load_transforms(clean / "wush")
+    b, _ = load_transforms(resumed / "wush")
+    np.testing.assert_allclose(np.asarray(a.a_k), np.asarray(b.a_k), rtol=1e-5, atol=1e-5)
+
+
+def test_storage_refuses_wrong_or_damaged_checkpoints(tiny_dir, text_file, tmp_path):
+    cal.main(_cfg(tiny_dir, text_file, tmp_path, methods=("wush",), bits=(2,), tokens=512))
+    ck = tmp_path / "wush"
+    meta = read_metadata(ck)
+    load_transforms(ck, fingerprint=meta["model_fingerprint"])  # the right model loads
+    with pytest.raises(TransformsCheckpointError, match="calibrated for model"):
+        load_transforms(ck, fingerprint="0" * 32)
+    bad_version = tmp_path / "v"
+    shutil.copytree(ck, bad_version)
+    m = json.loads((bad_version / "metadata.json").read_text())
+    m["format_version"] = 99
+    (bad_version / "metadata.json").write_text(json.dumps(m))
+    with pytest.raises(TransformsCheckpointError, match="format_version=99"):
+        load_transforms(bad_version)
+    corrupt = tmp_path / "c"
+    shutil.copytree(ck, corrupt)
+    m = json.loads((corrupt / "metadata.json").read_text())
+    m["digests"]["a_k"] = "0" * 64  # as if the array bytes had changed
+    (corrupt / "metadata.json").write_text(json.dumps(m))
+    with pytest.raises(TransformsCheckpointError, match="a_k"):
+        load_transforms(corrupt)
+    truncated = tmp_path / "t"
+    shutil.copytree(ck, truncated)
+    for f in (truncated / "arrays").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(TransformsCheckpointError):
+        load_transforms(truncated)
+    from kvjax.config import ModelConfig
+
+    other = ModelConfig(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=8,
+                        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32)
+    with pytest.raises(TransformsCheckpointError, match="made for another model"):
+        load_transforms(ck, cfg=other)
+
+
+def test_bad_input(tiny_dir, text_file, tmp_path):
+    with pytest.raises(ValueError, match="unknown method"):
+        cal.main(_cfg(tiny_dir, text_file, tmp_path, methods=("oscarr",)))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    with pytest.raises(ValueError, match="empty"):
+        cal.main(_cfg(tiny_dir, empty, tmp_path / "o2"))
+    with pytest.raises(ValueError, match="bits=8"):
+        cal.main(_cfg(tiny_dir, text_file, tmp_path / "o3", bits=(8,)))
+    assert not list(pathlib.Path(tmp_path).glob("**/metadata.json"))
+
+
+def test_hadamard_needs_power_of_two_head_dim(tmp_path, text_file):
+    d = tmp_path / "hd48"
+    tok = Tokenizer.from_gguf(assets.default_model_path())
+    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=96, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=48)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_hf_dir(d)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        cal.main(_cfg(d, text_file, tmp_path / "o", methods=("wush",), tokens=256))
+    assert not (tmp_path / "o" / "wush").exists()
+
+
+def test_directional_on_real_model(tmp_path):
+    """Shipped SmolLM2, real calibration plays, 2 bits: wush <= oscar < identity, wush < hadamard
+    (mean over layers of the held-out attention-output error)."""
+    s = cal.main(cal.CalibrateConfig(methods=("wush", "oscar"), tokens=4096, seq_len=512,
+                                     bits=(2,), holdout=2, out=str(tmp_path), progress=False))
+    mean = {m: float(np.mean(v["output_error"])) for m, v in s["methods"].items()}
+    assert mean["wush"] <= mean["oscar"] < mean["identity"], mean
+    assert mean["wush"] < mean["hadamard"], mean
