@@ -1,7 +1,10 @@
-"""Flax NNX port of the Llama / Qwen2 / Qwen3 decoder stack.
+"""Flax NNX port of the Llama / Qwen2 / Qwen3 / GLM-4 / GLM-4-MoE / Qwen3-MoE decoder stack.
 
-One module covers the family: q/k RMSNorm per head (Qwen3) and q/k/v bias (Qwen2) are options
-of `ModelConfig`. The attention layer is the seam the rest of kvjax plugs into:
+One module covers the family; the differences are options of `ModelConfig`: q/k RMSNorm per head
+(Qwen3, optional in GLM-4-MoE), q/k/v bias (Qwen2, GLM), partial and interleaved RoPE (GLM),
+GLM-4's extra norms on the attention and MLP outputs, and mixture-of-experts MLPs (`cfg.moe`,
+math in `kvjax.moe`) in the sparse layers. The attention layer is the seam the rest of kvjax
+plugs into:
 
 - it takes a cache object (`kvjax.kv_cache.KVCache` protocol) and positions, and returns the
   updated cache; with no cache it runs plain causal attention over the chunk;
@@ -10,7 +13,10 @@ of `ModelConfig`. The attention layer is the seam the rest of kvjax plugs into:
   named "observed" and collected with `capture_observed`.
 
 Weights arrive as a dict of numpy arrays with HuggingFace names and torch layouts
-(`Transformer.from_weights`); GGUF and safetensors loaders produce that dict.
+(`Transformer.from_weights`); GGUF and safetensors loaders produce that dict. Experts may come
+one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, the published checkpoints) or
+stacked (`mlp.experts.gate_up_proj` [E, 2I, D], transformers' in-memory layout); GLM-4's fused
+`mlp.gate_up_proj.weight` is split on load.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from flax import nnx
 
 from kvjax.attention import causal_mask, grouped_attention
 from kvjax.config import ModelConfig
+from kvjax.moe import MOE_IMPLS, route, routed_experts
 
 # observer(layer_idx, q, k, v, o) -> pytree. q: [B,T,Hq,d], k/v: [B,T,Hkv,d], o: [B,T,Hq,d].
 Observer = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array], Any]
@@ -47,21 +54,40 @@ class RMSNorm(nnx.Module):
 
 
 def rope_cos_sin(
-    positions: jax.Array, rotary_dim: int, theta: float
+    positions: jax.Array,  # i32[B, T]
+    rotary_dim: int,
+    theta: float,
+    interleaved: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape [B, T, rotary_dim] for rotate-half RoPE (HF convention)."""
+    """cos, sin of shape [B, T, rotary_dim], laid out for `apply_rope` (HF conventions).
+
+    Rotate-half pairs channel i with i + rotary_dim/2, so frequencies repeat as [f, f];
+    interleaved RoPE (GLM-4) pairs 2i with 2i+1, so each frequency appears twice in a row.
+    """
     inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    if interleaved:
+        emb = jnp.repeat(freqs, 2, axis=-1)
+    else:
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates the first cos.shape[-1] channels of x [B, T, H, d]; the rest pass through."""
+def apply_rope(
+    x: jax.Array,  # f[B, T, H, d]
+    cos: jax.Array,  # f32[B, T, rotary_dim]
+    sin: jax.Array,  # f32[B, T, rotary_dim]
+    interleaved: bool = False,
+) -> jax.Array:
+    """Rotates the first cos.shape[-1] channels of x; the rest pass through unchanged."""
     rot = cos.shape[-1]
     xr, xp = x[..., :rot].astype(jnp.float32), x[..., rot:]
-    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    if interleaved:
+        pairs = xr.reshape(*xr.shape[:-1], rot // 2, 2)
+        rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(xr.shape)
+    else:
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+        rotated = jnp.concatenate([-x2, x1], axis=-1)
     out = xr * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return jnp.concatenate([out.astype(x.dtype), xp], axis=-1)
 
@@ -97,7 +123,8 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q = apply_rope(q, *rope, interleaved=cfg.rope_interleaved)
+        k = apply_rope(k, *rope, interleaved=cfg.rope_interleaved)
         if cache is None:
             valid = jnp.ones((b, t), bool)
             o = grouped_attention(
@@ -107,8 +134,11 @@ class Attention(nnx.Module):
             o, cache = cache.attend(self.layer_idx, q, k, v, positions)
         if self.observer is not None:
             observed = self.observer(
-                self.layer_idx, q.astype(jnp.float32), k.astype(jnp.float32),
-                v.astype(jnp.float32), o,
+                self.layer_idx,
+                q.astype(jnp.float32),
+                k.astype(jnp.float32),
+                v.astype(jnp.float32),
+                o,
             )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -118,14 +148,88 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        intermediate_size: int | None = None,
+    ):
+        width = cfg.intermediate_size if intermediate_size is None else intermediate_size
         lin = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.gate_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.up_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
+        self.gate_proj = nnx.Linear(cfg.hidden_size, width, **lin)
+        self.up_proj = nnx.Linear(cfg.hidden_size, width, **lin)
+        self.down_proj = nnx.Linear(width, cfg.hidden_size, **lin)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nnx.Module):
+    """Expert router (HF `mlp.gate`): logits = x W^T, then `kvjax.moe.route`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+        moe = cfg.moe
+        # The sigmoid router's weight and bias stay float32 (HF keeps them so in every dtype).
+        self.weight_dtype = jnp.float32 if moe.scoring == "sigmoid" else dtype
+        self.weight = nnx.Param(jnp.zeros((moe.num_experts, cfg.hidden_size), self.weight_dtype))
+        if moe.score_correction_bias:
+            self.e_score_correction_bias = nnx.Param(jnp.zeros((moe.num_experts,), jnp.float32))
+        else:
+            self.e_score_correction_bias = None
+        self.moe = moe
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x f[N, D] -> (weights f32[N, k], expert indices i32[N, k])."""
+        logits = x.astype(self.weight_dtype) @ self.weight[...].T  # [N, E]
+        bias = self.e_score_correction_bias
+        return route(logits.astype(jnp.float32), self.moe, None if bias is None else bias[...])
+
+
+class Experts(nnx.Module):
+    """Routed SwiGLU experts stacked on a leading expert axis (HF `mlp.experts`)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
+        e, d, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+        # x @ w layout (like nnx.Linear kernels); HF stores each expert as [out, in].
+        self.gate_proj = nnx.Param(jnp.zeros((e, d, i), dtype))
+        self.up_proj = nnx.Param(jnp.zeros((e, d, i), dtype))
+        self.down_proj = nnx.Param(jnp.zeros((e, i, d), dtype))
+
+
+class SparseMoE(nnx.Module):
+    """Routed experts plus optional always-on shared experts (GLM-4-MoE)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, impl: str = "sorted"):
+        moe = cfg.moe
+        self.gate = Router(cfg, dtype)
+        self.experts = Experts(cfg, dtype)
+        if moe.num_shared_experts:
+            width = moe.intermediate_size * moe.num_shared_experts
+            self.shared_experts = MLP(cfg, dtype, rngs, intermediate_size=width)
+        else:
+            self.shared_experts = None
+        self.impl = impl
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f[B, T, D] -> f[B, T, D]
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        weights, idx = self.gate(flat)
+        ex = self.experts
+        y = routed_experts(
+            flat,
+            idx,
+            weights,
+            ex.gate_proj[...],
+            ex.up_proj[...],
+            ex.down_proj[...],
+            impl=self.impl,
+        ).reshape(b, t, d)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
 
 
 class DecoderLayer(nnx.Module):
@@ -133,13 +237,25 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer_idx, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        if cfg.is_sparse_layer(layer_idx):
+            self.mlp = SparseMoE(cfg, dtype, rngs)
+        else:
+            self.mlp = MLP(cfg, dtype, rngs)
+        if cfg.sandwich_norms:
+            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        else:
+            self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
     def __call__(self, x, positions, rope, cache):
         h, cache = self.self_attn(self.input_layernorm(x), positions, rope, cache)
+        if self.post_self_attn_layernorm is not None:
+            h = self.post_self_attn_layernorm(h)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
+        h = self.mlp(self.post_attention_layernorm(x))
+        if self.post_mlp_layernorm is not None:
+            h = self.post_mlp_layernorm(h)
+        return x + h, cache
 
 
 class Transformer(nnx.Module):
@@ -151,15 +267,17 @@ class Transformer(nnx.Module):
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List(
-            [DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)]
-        )
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nnx.Linear(
-                cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                cfg.hidden_size,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=dtype,
                 rngs=rngs,
             )
 
@@ -173,7 +291,9 @@ class Transformer(nnx.Module):
         if positions is None:
             start = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
             positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        rope = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+        rope = rope_cos_sin(
+            positions, self.cfg.rotary_dim, self.cfg.rope_theta, self.cfg.rope_interleaved
+        )
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x, cache = layer(x, positions, rope, cache)
@@ -192,61 +312,161 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             layer.self_attn.observer = observer
 
+    def set_moe_impl(self, impl: str) -> None:
+        """Chooses how every MoE layer computes its routed mixture (see `kvjax.moe`).
+
+        Raises:
+            ValueError: `impl` is not one of `kvjax.moe.MOE_IMPLS`.
+        """
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"impl={impl!r}; use one of {MOE_IMPLS}")
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.impl = impl
+
     # ----- weights -----
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: Mapping[str, np.ndarray], dtype: jnp.dtype = jnp.float32
+        cls,
+        cfg: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        dtype: jnp.dtype = jnp.float32,
+        *,
+        moe_impl: str = "sorted",
     ) -> Transformer:
         """Builds the model from HF-named tensors (torch layout: Linear weight is [out, in]).
 
+        Args:
+            cfg: the architecture.
+            weights: tensors by HF name; extra tensors (e.g. GLM's next-token-prediction
+                layers) are ignored. Per-expert and stacked expert layouts are both accepted.
+            dtype: parameter and activation dtype (the sigmoid router stays float32).
+            moe_impl: routed-mixture implementation for MoE layers (`kvjax.moe.MOE_IMPLS`).
+
         Raises:
             MissingWeightsError: listing every tensor the architecture needs but did not get.
+            ValueError: a tensor has the wrong shape.
         """
         model = nnx.eval_shape(lambda: cls(cfg, dtype, rngs=nnx.Rngs(0)))
-        needed = expected_weight_names(cfg)
-        missing = [n for n in needed if n not in weights]
+        canon = _canonical_weights(cfg, weights)
+        missing = []
+        for name, sources in _weight_requirements(cfg):
+            if name not in canon:
+                missing += [s for s in sources if s not in weights and s not in missing]
         if missing:
-            shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            shown = ", ".join(missing[:8]) + (
+                f" ... ({len(missing)} in all)" if len(missing) > 8 else ""
+            )
             raise MissingWeightsError(f"checkpoint is missing tensors: {shown}")
         graphdef, state = nnx.split(model)
         flat = dict(nnx.to_flat_state(state))
         new_flat = {}
         for path, var in flat.items():
             name, transpose = _hf_name(path)
-            arr = np.asarray(weights[name])
+            arr = np.asarray(canon[name])
             if transpose:
-                arr = arr.T
-            if arr.shape != tuple(var.get_value().shape):
+                arr = np.swapaxes(arr, -1, -2)
+            want = var.get_value()
+            if arr.shape != tuple(want.shape):
                 raise ValueError(
-                    f"tensor {name} has shape {arr.shape}, expected {tuple(var.get_value().shape)}"
+                    f"tensor {name} has shape {arr.shape}, expected {tuple(want.shape)}"
                     f"{' (transposed)' if transpose else ''} for {cfg.model_type}"
                 )
-            new_flat[path] = var.replace(jnp.asarray(arr, dtype))
+            new_flat[path] = var.replace(jnp.asarray(arr, want.dtype))
         state = nnx.from_flat_state(new_flat)
-        return nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, state)
+        model.set_moe_impl(moe_impl)
+        return model
+
+
+def _weight_requirements(cfg: ModelConfig) -> list[tuple[str, list[str]]]:
+    """(name `_hf_name` asks for, the published-checkpoint tensors that provide it) pairs.
+
+    Mostly one-to-one; GLM-4's dense gate/up come from one fused tensor, and stacked expert
+    tensors from one tensor per expert.
+    """
+    reqs: list[tuple[str, list[str]]] = []
+
+    def plain(*names: str) -> None:
+        reqs.extend((n, [n]) for n in names)
+
+    plain("model.embed_tokens.weight", "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        plain("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        plain(p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
+        if cfg.sandwich_norms:
+            plain(p + "post_self_attn_layernorm.weight", p + "post_mlp_layernorm.weight")
+        plain(
+            *(p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        )
+        if cfg.attention_bias:
+            plain(*(p + f"self_attn.{x}.bias" for x in ("q_proj", "k_proj", "v_proj")))
+        if cfg.o_proj_bias:
+            plain(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            plain(p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight")
+        m = p + "mlp."
+        if not cfg.is_sparse_layer(i):
+            if cfg.model_type == "glm4":
+                reqs += [
+                    (m + f"{x}_proj.weight", [m + "gate_up_proj.weight"]) for x in ("gate", "up")
+                ]
+                plain(m + "down_proj.weight")
+            else:
+                plain(*(m + f"{x}_proj.weight" for x in ("gate", "up", "down")))
+            continue
+        plain(m + "gate.weight")
+        if cfg.moe.score_correction_bias:
+            plain(m + "gate.e_score_correction_bias")
+        for x in ("gate", "up", "down"):
+            per_expert = [m + f"experts.{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)]
+            reqs.append((m + f"experts.{x}_proj", per_expert))
+        if cfg.moe.num_shared_experts:
+            plain(*(m + f"shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")))
+    return reqs
 
 
 def expected_weight_names(cfg: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names.append(p + f"self_attn.{proj}.weight")
-        if cfg.attention_bias:
-            names += [p + f"self_attn.{x}.bias" for x in ("q_proj", "k_proj", "v_proj")]
-        if cfg.o_proj_bias:
-            names.append(p + "self_attn.o_proj.bias")
-        if cfg.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + f"mlp.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")]
+    """Tensor names a published HF checkpoint of this architecture holds (one per expert)."""
+    names: list[str] = []
+    for _, sources in _weight_requirements(cfg):
+        names += [s for s in sources if not names or names[-1] != s]
     return names
 
 
+def _canonical_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray]) -> dict:
+    """`weights` plus the tensors `_hf_name` asks for that a checkpoint stores differently.
+
+    GLM-4's fused `mlp.gate_up_proj.weight` [2I, D] is split into gate [I, D] and up [I, D].
+    Experts become stacked `mlp.experts.{gate,up,down}_proj` [E, out, in], from either one
+    tensor per expert or transformers' stacked `gate_up_proj` [E, 2I, D] + `down_proj`.
+    Partial expert sets are left out, so the caller reports what is missing.
+    """
+    out = dict(weights)
+    for i in range(cfg.num_layers):
+        m = f"model.layers.{i}.mlp."
+        if not cfg.is_sparse_layer(i):
+            fused = m + "gate_up_proj.weight"
+            if fused in weights and m + "gate_proj.weight" not in weights:
+                gu = np.asarray(weights[fused])
+                out[m + "gate_proj.weight"], out[m + "up_proj.weight"] = np.split(gu, 2, axis=0)
+            continue
+        ex = m + "experts."
+        if ex + "gate_up_proj" in weights and ex + "gate_proj" not in weights:
+            gu = np.asarray(weights[ex + "gate_up_proj"])
+            out[ex + "gate_proj"], out[ex + "up_proj"] = np.split(gu, 2, axis=1)
+            continue
+        for x in ("gate", "up", "down"):
+            names = [ex + f"{e}.{x}_proj.weight" for e in range(cfg.moe.num_experts)]
+            if ex + f"{x}_proj" not in weights and all(n in weights for n in names):
+                out[ex + f"{x}_proj"] = np.stack([np.asarray(weights[n]) for n in names])
+    return out
+
+
 def _hf_name(path: tuple) -> tuple[str, bool]:
-    """Maps an NNX state path to (HF tensor name, needs transpose)."""
+    """Maps an NNX state path to (HF tensor name, needs its last two axes swapped)."""
     parts = [str(p) for p in path]
     leaf = parts[-1]
     if parts[0] == "embed_tokens":
@@ -256,7 +476,9 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     prefix = "model." if parts[0] in ("layers", "norm") else ""
     if leaf == "kernel":
         return prefix + ".".join(parts[:-1]) + ".weight", True
-    return prefix + ".".join(parts[:-1] + [leaf if leaf != "weight" else "weight"]), False
+    if len(parts) > 1 and parts[-2] == "experts":  # stacked [E, in, out] vs HF [E, out, in]
+        return prefix + ".".join(parts), True
+    return prefix + ".".join(parts), False
 
 
 def split_model(model: Transformer):
