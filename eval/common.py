@@ -1,0 +1,360 @@
+"""Shared pieces of the evaluation scripts: model and transforms loading, evaluation windows,
+a protocol-exact single-pass simulation of the paged cache, and result writers.
+
+The simulation (`WindowedQuantCache`) exists because the WUSH-KV perplexity protocol feeds each
+2048-token window in 16-token chunks through the cache: 128 model calls per window, each reading
+the whole paged cache through the pure-jnp reference path. On a 2-core CPU that is about ten
+times the cost of one full-window forward. Quantization is per token and deterministic, so which
+version of key/value `s` (full precision or its low-bit reconstruction) query `t` reads is fixed
+by the cache policy alone: `s` is read from low-bit pages iff `sink <= s < quant_end(c(t))`,
+where `c(t)` is the number of tokens stored before the chunk holding `t`. One forward with that
+mixed mask computes the same numbers as the chunked paged run (tests check it against
+`kvjax.paged_cache` end to end), so `eval.perplexity` can afford the full grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax import assets
+from kvjax.attention import split_heads_by_group
+from kvjax.config import ModelConfig
+from kvjax.loading import LoadedModel
+from kvjax.paged_cache import CacheConfig, PagedKVCache, PageManager
+from kvjax.quantizers import QuantConfig, dequantize, quantize
+from kvjax.storage import load_transforms
+from kvjax.tokenizer import Tokenizer
+from kvjax.transforms import KVTransforms
+
+FULL_PRECISION = "full_precision"  # the row name of the unquantized baseline
+ALL_METHODS: tuple[str, ...] = (
+    "identity",
+    "random",
+    "hadamard",
+    "kv_pca",
+    "oscar",
+    "oscar_tokenweight",
+    "wush",
+    "wush_a",
+)
+
+
+# ------------------------------------------------------------------------------------------
+# windows and transforms
+# ------------------------------------------------------------------------------------------
+
+
+def evaluation_windows(
+    tokenizer: Tokenizer,
+    seq_len: int,
+    num_windows: int,
+    text: str | None = None,
+) -> np.ndarray:  # i32[N, seq_len]
+    """The first `num_windows` non-overlapping `seq_len`-token windows of the evaluation plays.
+
+    Raises:
+        ValueError: num_windows < 1, or the text holds fewer windows than asked for.
+    """
+    from calib.data import token_windows  # eval sits above calib in the layering
+
+    if num_windows < 1:
+        raise ValueError(f"num_windows={num_windows} must be >= 1")
+    text = assets.evaluation_text() if text is None else text
+    w = token_windows(text, tokenizer, seq_len, num_windows)
+    if len(w) < num_windows:
+        raise ValueError(
+            f"evaluation text holds {len(w)} windows of {seq_len} tokens, "
+            f"num_windows={num_windows} asked for"
+        )
+    return w
+
+
+def load_method(
+    calib_dir: str | os.PathLike[str],
+    method: str,
+    bits: int,
+    lm_cfg: ModelConfig,
+    fingerprint: str | None,
+) -> KVTransforms:
+    """One calibrated method's transforms with the clips calibrated for `bits`.
+
+    Args:
+      calib_dir: the `--out` folder of `python -m kvjax.calibrate` (one sub-folder per method).
+      method: the method name (a sub-folder of calib_dir).
+      bits: the bit width whose calibrated clips to use (checkpoints store clips per width).
+      lm_cfg: model config the transforms must fit.
+      fingerprint: model fingerprint the transforms must have been calibrated for.
+
+    Raises:
+        ValueError: the checkpoint is missing, for another model, or has no clips for `bits`.
+    """
+    path = pathlib.Path(calib_dir) / method
+    if not path.is_dir():
+        raise ValueError(
+            f"no calibrated transforms for method={method!r} at {str(path)!r}; "
+            f"run python -m kvjax.calibrate --method {method} --out {calib_dir}"
+        )
+    tf, meta = load_transforms(path, lm_cfg, fingerprint)
+    clips = meta.get("clips_by_bits", {}).get(str(bits))
+    if clips is None:
+        raise ValueError(
+            f"{path} has no clips for bits={bits} (has "
+            f"{sorted(meta.get('clips_by_bits', {}))}); recalibrate with --bits"
+        )
+    return dataclasses.replace(
+        tf, clip_k=jnp.asarray(clips["k"], jnp.float32), clip_v=jnp.asarray(clips["v"], jnp.float32)
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# the single-pass simulation of the chunked paged cache
+# ------------------------------------------------------------------------------------------
+
+
+def _roundtrip_stored(x_t: jax.Array, qc: QuantConfig | None, clip: jax.Array) -> jax.Array:
+    """What a low-bit page returns for transformed-frame tokens x_t (same calls as the cache)."""
+    if qc is None:
+        return x_t
+    return dequantize(quantize(x_t, qc, clip=clip if qc.method == "oscar" else None))
+
+
+def low_bit_mask(
+    positions: jax.Array,  # i32[B, T] query positions (a window starting at 0)
+    cache_cfg: CacheConfig,
+    chunk: int,
+) -> jax.Array:  # bool[B, T, T]
+    """True where query t reads key s from the low-bit segment under chunked feeding.
+
+    A chunk starting at c sees the cache as stored after c tokens: `[sink, quant_end(c))` is
+    low-bit, everything else (sink, recent window, the chunk itself) full precision.
+    """
+    c0 = (positions // chunk) * chunk  # tokens stored before the chunk holding t
+    over = c0 - cache_cfg.sink - cache_cfg.keep
+    q_end = jnp.where(
+        over < 0, cache_cfg.sink, cache_cfg.sink + (over // cache_cfg.flush) * cache_cfg.flush
+    )
+    s = positions[:, None, :]  # key positions
+    return (s >= cache_cfg.sink) & (s < q_end[:, :, None]) & (s <= positions[:, :, None])
+
+
+@flax.struct.dataclass
+class WindowedQuantCache:
+    """Cache-protocol object for ONE call holding a whole window from position 0.
+
+    It reproduces what `PagedKVCache` computes when the same window is fed `chunk` tokens per
+    call (see the module docstring). It stores nothing, so it serves a single call only.
+    """
+
+    transforms: KVTransforms
+    lengths: jax.Array  # i32[B], must be zeros: the window starts at position 0
+    cfg: CacheConfig = flax.struct.field(pytree_node=False)
+    chunk: int = flax.struct.field(pytree_node=False)
+    sm_scale: float = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def create(
+        cls,
+        model_cfg: ModelConfig,
+        cache_cfg: CacheConfig,
+        transforms: KVTransforms,
+        batch_size: int,
+        chunk: int,
+    ) -> WindowedQuantCache:
+        if chunk < 1:
+            raise ValueError(f"chunk={chunk} must be >= 1")
+        transforms.check_matches(model_cfg)
+        return cls(
+            transforms=transforms,
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+            cfg=cache_cfg,
+            chunk=chunk,
+            sm_scale=model_cfg.head_dim**-0.5,
+        )
+
+    def attend(
+        self,
+        layer: int,
+        q: jax.Array,  # f[B, T, Hq, d]
+        k: jax.Array,  # f[B, T, Hkv, d]
+        v: jax.Array,  # f[B, T, Hkv, d]
+        positions: jax.Array,  # i32[B, T]
+    ) -> tuple[jax.Array, WindowedQuantCache]:
+        tf, cfg = self.transforms, self.cfg
+        hkv = k.shape[2]
+        # The stored frames, as the paged cache forms them: k A_K, v A_V, q B_K^T.
+        k_t = jnp.einsum("BTKH,KHJ->BTKJ", k.astype(jnp.float32), tf.a_k[layer])
+        v_t = jnp.einsum("BTKH,KHJ->BTKJ", v.astype(jnp.float32), tf.a_v[layer])
+        qg = split_heads_by_group(q.astype(jnp.float32), hkv)  # [B, T, K, G, H]
+        q_t = jnp.einsum("BTKGH,KJH->BTKGJ", qg, tf.b_k[layer])  # [B, T, K, G, J]
+        k_lo = _roundtrip_stored(k_t, cfg.quant, tf.clip_k[layer])
+        v_lo = _roundtrip_stored(v_t, cfg.value_quant, tf.clip_v[layer])
+
+        low = low_bit_mask(positions, cfg, self.chunk)[:, None, None]  # [B, 1, 1, T, S]
+        causal = positions[:, None, None, None, :] <= positions[:, None, None, :, None]
+        s_fp = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_t)  # [B, K, G, T, S]
+        s_lo = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_lo)
+        s = jnp.where(low, s_lo, s_fp) * self.sm_scale
+        s = jnp.where(causal, s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("BKGTS,BSKH->BTKGH", jnp.where(low, 0.0, p), v_t)
+        o = o + jnp.einsum("BKGTS,BSKH->BTKGH", jnp.where(low, p, 0.0), v_lo)
+        if not tf.values_folded:
+            o = jnp.einsum("BTKGH,KHJ->BTKGJ", o, tf.b_v[layer])
+        return o.reshape(q.shape).astype(jnp.float32), self
+
+    def advance(self, num_tokens: int) -> WindowedQuantCache:
+        return self.replace(lengths=self.lengths + num_tokens)
+
+
+# ------------------------------------------------------------------------------------------
+# token log-likelihoods: one pass (simulation / plain forward) or chunked through the cache
+# ------------------------------------------------------------------------------------------
+
+
+def _target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log p(target) per position; logits f32[B, T, V], targets i32[B, T] -> f32[B, T]."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+
+
+class TokenScorer:
+    """jit-compiled log p(next token) of windows under a given cache setting.
+
+    One compilation per (cache config, batch shape); transforms are traced arguments, so every
+    method at a bit width reuses the same executable.
+    """
+
+    def __init__(self, model: nnx.Module):
+        self.model = model
+        self.graphdef, self.params = nnx.split(model)
+
+        def full(params, tokens, targets, cache):
+            m = nnx.merge(self.graphdef, params)
+            logits, _ = m(tokens, cache)
+            return _target_logprobs(logits, targets)
+
+        def step(params, tokens, targets, cache):
+            m = nnx.merge(self.graphdef, params)
+            logits, cache = m(tokens, cache)
+            return _target_logprobs(logits, targets), cache
+
+        self._full = jax.jit(full)
+        self._step = jax.jit(step, donate_argnums=(3,))
+
+    def one_pass(
+        self,
+        windows: np.ndarray,  # i32[B, T]
+        cache_cfg: CacheConfig | None,
+        transforms: KVTransforms | None,
+        chunk: int,
+    ) -> np.ndarray:  # f32[B, T-1]
+        """log p(w[t+1] | w[:t+1]) with the chunked cache simulated in one forward.
+
+        cache_cfg None (or transforms None) is the plain full-precision forward, no cache.
+        """
+        tokens = jnp.asarray(windows[:, :-1], jnp.int32)
+        targets = jnp.asarray(windows[:, 1:], jnp.int32)
+        cache = None
+        if cache_cfg is not None and transforms is not None:
+            cache = WindowedQuantCache.create(
+                self.model.cfg, cache_cfg, transforms, windows.shape[0], chunk
+            )
+        return np.asarray(self._full(self.params, tokens, targets, cache))
+
+    def chunked(
+        self,
+        windows: np.ndarray,  # i32[B, T]
+        cache_cfg: CacheConfig,
+        transforms: KVTransforms,
+        chunk: int,
+    ) -> np.ndarray:  # f32[B, T-1]
+        """The same log-likelihoods fed `chunk` tokens per call through the real paged cache."""
+        b, t = windows.shape
+        ccfg = dataclasses.replace(cache_cfg, max_seq_len=max(cache_cfg.max_seq_len, t))
+        # The step donates the cache, transforms included: give it private copies so the
+        # caller's arrays survive (and aliased A/B arrays are not donated twice).
+        own = jax.tree.map(lambda x: jnp.array(x, copy=True), transforms)
+        cache = PagedKVCache.create(self.model.cfg, ccfg, own, b, max_new_tokens=chunk)
+        mgr = PageManager(cache)
+        tokens, targets = windows[:, :-1], windows[:, 1:]
+        out = []
+        for i in range(0, t - 1, chunk):
+            cache = mgr.prepare(cache, tokens[:, i : i + chunk].shape[1])
+            lp, cache = self._step(
+                self.params,
+                jnp.asarray(tokens[:, i : i + chunk]),
+                jnp.asarray(targets[:, i : i + chunk]),
+                cache,
+            )
+            out.append(np.asarray(lp))
+        return np.concatenate(out, axis=1)
+
+
+# ------------------------------------------------------------------------------------------
+# result files
+# ------------------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    """Date, machine and library versions, recorded in every result file."""
+    return dict(
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+        cpu_count=os.cpu_count(),
+        jax_version=jax.__version__,
+        jax_backend=jax.default_backend(),
+        python=platform.python_version(),
+    )
+
+
+def model_info(lm: LoadedModel) -> dict[str, Any]:
+    return dict(
+        source=lm.source,
+        fingerprint=lm.fingerprint,
+        num_layers=lm.cfg.num_layers,
+        num_heads=lm.cfg.num_heads,
+        num_kv_heads=lm.cfg.num_kv_heads,
+        head_dim=lm.cfg.head_dim,
+    )
+
+
+def write_results(
+    out_dir: str | os.PathLike[str],
+    name: str,
+    payload: dict[str, Any],
+    markdown: str,
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """Writes `<out_dir>/<name>.json` and `<out_dir>/<name>.md`; returns both paths."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath, mpath = out / f"{name}.json", out / f"{name}.md"
+    jpath.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    mpath.write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    return jpath, mpath
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats are written as given (format them before)."""
+    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def check_methods(methods: Sequence[str]) -> None:
+    """Raises ValueError naming any method that is not a known transform."""
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(ALL_METHODS)}")
