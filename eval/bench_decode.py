@@ -499,6 +499,7 @@ if __name__ == "__main__":
         num_stages=a.num_stages,
         repeats=a.repeats,
         out=a.out,
+        tune=a.tune,
     )
     if a.variants:
         c = dataclasses.replace(c, variants=tuple(a.variants.split(",")))
