@@ -218,10 +218,14 @@ class PagedKVCache:
         k_fp = _scatter_tokens(pools.k_fp, plan.new_fp_dst, k_t)
         v_fp = _scatter_tokens(pools.v_fp, plan.new_fp_dst, v_t)
 
-        if cfg.attention == "pallas" and t == 1:
-            o_t = self._pallas_decode(layer, q_t, k_fp, v_fp)
+        use_kernel = cfg.attention == "pallas" and t == 1
+        if use_kernel:  # the kernel moves q into the key frame and applies B_V itself
+            o = self._pallas_decode(layer, q, k_fp, v_fp)
         else:
-            o_t = self._reference_attend(pools, q_t, k_t, v_t, positions)
+            o = self._reference_attend(pools, q_t, k_t, v_t, positions)  # value frame
+            if not tf.values_folded:
+                og = split_heads_by_group(o, k.shape[2])
+                o = jnp.einsum("BTKGH,KHJ->BTKGJ", og, tf.b_v[layer]).reshape(o.shape)
 
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
         # bits (long prefill chunks), are quantized into low-bit pages.
@@ -233,10 +237,6 @@ class PagedKVCache:
         v_low = _store_low(pools.v_low, dst, jnp.concatenate([fv, v_t], axis=1),
                            cfg.value_quant, tf.clip_v[layer])
 
-        o = o_t
-        if not tf.values_folded:
-            og = split_heads_by_group(o_t, k.shape[2])
-            o = jnp.einsum("BTKGH,KHJ->BTKGJ", og, tf.b_v[layer]).reshape(o_t.shape)
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
         pools_all = self.pools[:layer] + (new_pools,) + self.pools[layer + 1 :]
         return o, self.replace(pools=pools_all)
@@ -269,20 +269,22 @@ class PagedKVCache:
         vals = jnp.concatenate([vf.astype(jnp.float32), vq, v_t], axis=1)
         return grouped_attention(q_t, keys, vals, mask, sm_scale=self.sm_scale)
 
-    def _pallas_decode(self, layer, q_t, k_fp, v_fp) -> jax.Array:
+    def _pallas_decode(self, layer, q, k_fp, v_fp) -> jax.Array:
         """Single-token decode through the Pallas kernel, reading packed pages directly."""
         from pallas_kernels.decode_attention import decode_attention  # lazy: optional path
 
-        plan, cfg = self.plan, self.cfg
-        if cfg.quant is None or cfg.quant.bits == 3:
-            raise ValueError("the pallas decode path needs packed 2- or 4-bit pages")
+        plan, cfg, tf = self.plan, self.cfg, self.transforms
+        if cfg.quant is None or cfg.quant.bits == 3 or cfg.value_quant.bits != cfg.quant.bits:
+            raise ValueError("the pallas decode path needs packed 2- or 4-bit pages, the same "
+                             "width for keys and values")
         kc, ks, kz = self.pools[layer].k_low
         vc, vs, vz = self.pools[layer].v_low
         backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
         o = decode_attention(
-            q_t[:, 0], k_fp, v_fp, plan.fp_table, plan.fp_len + 1,
+            q[:, 0], k_fp, v_fp, plan.fp_table, plan.fp_len + 1,
             kc, vc, ks, kz, vs, vz, plan.low_table, plan.low_len,
-            None, None,
+            jnp.swapaxes(tf.b_k[layer], -1, -2),
+            None if tf.values_folded else tf.b_v[layer],
             bits=cfg.quant.bits, sm_scale=self.sm_scale, backend=backend,
             interpret=jax.default_backend() == "cpu",
         )
