@@ -118,9 +118,18 @@ def _sort_by_expert(idx: jax.Array, num_experts: int, k: int):
     return order, order // k, counts
 
 
-def _tile_rows(m: int, num_experts: int, max_tile_rows: int) -> int:
-    """Tile height: padding wastes < tile rows per expert used, so keep it <= M / experts used."""
-    return max(1, min(max_tile_rows, m // min(num_experts, m)))
+def tile_plan(num_rows: int, num_experts: int, max_tile_rows: int) -> tuple[int, int]:
+    """(tile height b, tile count T) for `num_rows` expert-sorted rows; static shapes.
+
+    Padding wastes fewer than b rows per expert in use (at most min(E, M) of them), so the
+    T * b rows computed are bounded by M + min(E, M) (b - 1); choosing b <= M / min(E, M) keeps
+    that under 2 M, independent of the expert count.
+    """
+    if num_rows < 1 or num_experts < 1 or max_tile_rows < 1:
+        raise ValueError(f"{num_rows=}, {num_experts=}, {max_tile_rows=} must all be positive")
+    used = min(num_experts, num_rows)
+    b = max(1, min(max_tile_rows, num_rows // used))
+    return b, (num_rows + used * (b - 1)) // b
 
 
 def routed_experts_sorted(
@@ -143,8 +152,7 @@ def routed_experts_sorted(
     n, d = x.shape
     num_experts, k = w_gate.shape[0], idx.shape[1]
     m = n * k
-    b = _tile_rows(m, num_experts, max_tile_rows)
-    num_tiles = (m + min(num_experts, m) * (b - 1)) // b
+    b, num_tiles = tile_plan(m, num_experts, max_tile_rows)
     order, token, counts = _sort_by_expert(idx, num_experts, k)
     expert = idx.reshape(-1)[order]  # [M] nondecreasing
     start = jnp.cumsum(counts) - counts  # [E] first sorted row of each expert
