@@ -83,8 +83,11 @@ def make_stats_step(lm: LoadedModel, names: frozenset[str]):
 
     def step(params, stats, tokens):
         m = nnx.merge(graphdef, params)
-        m.set_observer(lambda l, q, k, v, o: update_stats(
-            stats[l], q, k, v, o, w_o=_o_proj_torch(m, l) if needs_wo else None))
+        m.set_observer(
+            lambda l, q, k, v, o: update_stats(
+                stats[l], q, k, v, o, w_o=_o_proj_torch(m, l) if needs_wo else None
+            )
+        )
         m(tokens)
         return capture_observed(m)
 
@@ -111,15 +114,23 @@ def collect_statistics(
         saved = np.load(resume_file, allow_pickle=False)
         if json.loads(str(saved["key"])) == resume_key:
             start = int(saved["batches_done"])
-            stats = [{n: jnp.asarray(saved[f"{i}/{n}"]) for n in stats[i]} for i in range(len(stats))]
+            stats = [
+                {n: jnp.asarray(saved[f"{i}/{n}"]) for n in stats[i]} for i in range(len(stats))
+            ]
             print(f"resuming from {resume_file}: {start} batches already done", file=sys.stderr)
         else:
             print(f"{resume_file} was made with other settings; starting over", file=sys.stderr)
     _, params = nnx.split(lm.model)
     step = make_stats_step(lm, names)
     n_batches = -(-len(windows) // batch_size)
-    bar = tqdm(total=len(windows) * windows.shape[1], initial=start * batch_size * windows.shape[1],
-               unit="tok", unit_scale=True, disable=not progress, desc="statistics")
+    bar = tqdm(
+        total=len(windows) * windows.shape[1],
+        initial=start * batch_size * windows.shape[1],
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+        desc="statistics",
+    )
     t0, tokens_done = None, 0
     for bi in range(start, n_batches):
         batch = jnp.asarray(windows[bi * batch_size : (bi + 1) * batch_size])
@@ -164,21 +175,35 @@ def capture_activations(lm: LoadedModel, windows: np.ndarray) -> list[tuple[np.n
 # ------------------------------------------------------------------------------------------
 
 
-def build_method(method: str, final_stats: list[dict], lm: LoadedModel, cfg: CalibrateConfig
-                 ) -> list[TransformPair]:
+def build_method(
+    method: str, final_stats: list[dict], lm: LoadedModel, cfg: CalibrateConfig
+) -> list[TransformPair]:
     w_o = [np.asarray(_o_proj_torch(lm.model, i)) for i in range(lm.cfg.num_layers)]
     return [
-        build_transforms(method, final_stats[i], num_kv_heads=lm.cfg.num_kv_heads,
-                         head_dim=lm.cfg.head_dim, w_o=w_o[i], seed=cfg.seed * 100003 + i,
-                         gamma=cfg.gamma, share=cfg.share)
+        build_transforms(
+            method,
+            final_stats[i],
+            num_kv_heads=lm.cfg.num_kv_heads,
+            head_dim=lm.cfg.head_dim,
+            w_o=w_o[i],
+            seed=cfg.seed * 100003 + i,
+            gamma=cfg.gamma,
+            share=cfg.share,
+        )
         for i in range(lm.cfg.num_layers)
     ]
 
 
 def to_kv_transforms(pairs: list[TransformPair], clip_k, clip_v) -> KVTransforms:
     f = lambda name: jnp.asarray(np.stack([getattr(p, name) for p in pairs]), jnp.float32)  # noqa
-    return KVTransforms(f("A_K"), f("B_K"), f("A_V"), f("B_V"), jnp.asarray(clip_k, jnp.float32),
-                        jnp.asarray(clip_v, jnp.float32))
+    return KVTransforms(
+        f("A_K"),
+        f("B_K"),
+        f("A_V"),
+        f("B_V"),
+        jnp.asarray(clip_k, jnp.float32),
+        jnp.asarray(clip_v, jnp.float32),
+    )
 
 
 def output_errors(acts, pairs, clips, w_o, bits, group_size=None) -> np.ndarray:
@@ -190,8 +215,9 @@ def output_errors(acts, pairs, clips, w_o, bits, group_size=None) -> np.ndarray:
         f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         k_hat = errors.roundtrip(f(k), f(pr.A_K), f(pr.B_K), qc, ck)
         v_hat = errors.roundtrip(f(v), f(pr.A_V), f(pr.B_V), qc, cv)
-        e = errors.attention_errors(f(q), f(k), f(v), k_hat, v_hat,
-                                    errors.w_o_heads(f(wo), k.shape[2], d), d**-0.5)
+        e = errors.attention_errors(
+            f(q), f(k), f(v), k_hat, v_hat, errors.w_o_heads(f(wo), k.shape[2], d), d**-0.5
+        )
         out.append(float(e["out_err"] / e["out_ref"]))
     return np.asarray(out)
 
@@ -215,29 +241,46 @@ def main(cfg: CalibrateConfig) -> dict:
     if d & (d - 1):
         bad = [m for m in methods if m in _HADAMARD_METHODS]
         if bad:
-            raise ValueError(f"method(s) {bad} use a Hadamard matrix and need a power-of-two "
-                             f"head_dim; this model has head_dim={d}")
+            raise ValueError(
+                f"method(s) {bad} use a Hadamard matrix and need a power-of-two "
+                f"head_dim; this model has head_dim={d}"
+            )
     text = assets.load_text(cfg.data, split="calibration")
     n_cal = -(-cfg.tokens // cfg.seq_len)
     windows = token_windows(text, lm.tokenizer, cfg.seq_len, n_cal + cfg.holdout)
     if len(windows) <= cfg.holdout:
-        raise ValueError(f"calibration text gives {len(windows)} windows of {cfg.seq_len} "
-                         f"tokens; need more than holdout={cfg.holdout}")
+        raise ValueError(
+            f"calibration text gives {len(windows)} windows of {cfg.seq_len} "
+            f"tokens; need more than holdout={cfg.holdout}"
+        )
     cal, held = split_holdout(windows, cfg.holdout)
     baselines = tuple(m for m in BASELINES if not (d & (d - 1) and m in _HADAMARD_METHODS))
     all_methods = tuple(dict.fromkeys(baselines + methods))
     names = required_stats(all_methods) | {"C_Q"}  # C_Q weights the key clip error
-    key = dict(fingerprint=lm.fingerprint, data=cfg.data or "shipped", seq_len=cfg.seq_len,
-               windows=int(len(cal)), batch_size=cfg.batch_size, stats=sorted(names))
-    stats, rate = collect_statistics(lm, cal, frozenset(names), cfg.batch_size,
-                                     out / "stats.npz", key, cfg.progress)
+    key = dict(
+        fingerprint=lm.fingerprint,
+        data=cfg.data or "shipped",
+        seq_len=cfg.seq_len,
+        windows=int(len(cal)),
+        batch_size=cfg.batch_size,
+        stats=sorted(names),
+    )
+    stats, rate = collect_statistics(
+        lm, cal, frozenset(names), cfg.batch_size, out / "stats.npz", key, cfg.progress
+    )
     final = [finalize_stats(s) for s in stats]
     acts = capture_activations(lm, held)
     w_o = [np.asarray(_o_proj_torch(lm.model, i)) for i in range(lm.cfg.num_layers)]
     c_q = [f["C_Q"] for f in final]
 
-    summary = dict(model=lm.source, fingerprint=lm.fingerprint, tokens=int(cal.size),
-                   heldout_tokens=int(held.size), stats_tokens_per_s=rate, methods={})
+    summary = dict(
+        model=lm.source,
+        fingerprint=lm.fingerprint,
+        tokens=int(cal.size),
+        heldout_tokens=int(held.size),
+        stats_tokens_per_s=rate,
+        methods={},
+    )
     table_bits = 2 if 2 in cfg.bits else cfg.bits[0]
     for method in all_methods:
         pairs = build_method(method, final, lm, cfg)
@@ -247,26 +290,36 @@ def main(cfg: CalibrateConfig) -> dict:
                 ck = np.full(lm.cfg.num_layers, clip_lib.PAPER_CLIPS[0], np.float32)
                 cv = np.full(lm.cfg.num_layers, clip_lib.PAPER_CLIPS[1], np.float32)
             else:
-                ck, cv = clip_lib.calibrate_clips(acts, pairs, c_q, w_o, bits=b,
-                                                  group_size=cfg.group_size)
+                ck, cv = clip_lib.calibrate_clips(
+                    acts, pairs, c_q, w_o, bits=b, group_size=cfg.group_size
+                )
             clips_by_bits[b] = (ck, cv)
-        err = output_errors(acts, pairs, clips_by_bits[table_bits], w_o, table_bits,
-                            cfg.group_size)
+        err = output_errors(acts, pairs, clips_by_bits[table_bits], w_o, table_bits, cfg.group_size)
         summary["methods"][method] = dict(
             output_error=err.tolist(),
-            clips={str(b): dict(k=c[0].tolist(), v=c[1].tolist()) for b, c in clips_by_bits.items()},
+            clips={
+                str(b): dict(k=c[0].tolist(), v=c[1].tolist()) for b, c in clips_by_bits.items()
+            },
         )
         if method in methods:
             primary = cfg.bits[0]
             tf = to_kv_transforms(pairs, *clips_by_bits[primary])
             meta = dict(
-                method=method, gamma=cfg.gamma, share=cfg.share, seed=cfg.seed,
-                group_size=cfg.group_size, clip_mode=cfg.clips, clip_bits=primary,
+                method=method,
+                gamma=cfg.gamma,
+                share=cfg.share,
+                seed=cfg.seed,
+                group_size=cfg.group_size,
+                clip_mode=cfg.clips,
+                clip_bits=primary,
                 clips_by_bits=summary["methods"][method]["clips"],
-                model_fingerprint=lm.fingerprint, model_source=lm.source,
-                model_config=lm.cfg.to_dict(), tokens=int(cal.size), seq_len=cfg.seq_len,
-                data=cfg.data or "shipped Shakespeare calibration plays "
-                                 f"({', '.join(assets.CALIBRATION_PLAYS)})",
+                model_fingerprint=lm.fingerprint,
+                model_source=lm.source,
+                model_config=lm.cfg.to_dict(),
+                tokens=int(cal.size),
+                seq_len=cfg.seq_len,
+                data=cfg.data
+                or f"shipped Shakespeare calibration plays ({', '.join(assets.CALIBRATION_PLAYS)})",
                 kvjax_version=KVJAX_VERSION,
             )
             save_transforms(out / method, tf, meta)
@@ -278,26 +331,38 @@ def main(cfg: CalibrateConfig) -> dict:
 
 def print_table(summary: dict, bits: int) -> None:
     methods = list(summary["methods"])
-    print(f"\nattention-output relative error at {bits} bits on "
-          f"{summary['heldout_tokens']} held-out calibration tokens (K and V quantized, no windows)")
+    print(
+        f"\nattention-output relative error at {bits} bits on "
+        f"{summary['heldout_tokens']} held-out calibration tokens (K and V quantized, no windows)"
+    )
     print("| layer | " + " | ".join(methods) + " |")
     print("|---" * (len(methods) + 1) + "|")
     errs = [summary["methods"][m]["output_error"] for m in methods]
     for i in range(len(errs[0])):
         print(f"| {i} | " + " | ".join(f"{e[i]:.4f}" for e in errs) + " |")
     print("| mean | " + " | ".join(f"{np.mean(e):.4f}" for e in errs) + " |")
-    print(f"statistics pass: {summary['stats_tokens_per_s']:.0f} tokens/s; "
-          f"total {summary['seconds']:.0f}s")
+    print(
+        f"statistics pass: {summary['stats_tokens_per_s']:.0f} tokens/s; "
+        f"total {summary['seconds']:.0f}s"
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
     d = CalibrateConfig()
-    p = argparse.ArgumentParser(prog="python -m kvjax.calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m kvjax.calibrate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--data", default=None)
-    p.add_argument("--method", nargs="+", default=list(d.methods), dest="methods",
-                   help=f"one or more of: {', '.join(METHODS)}")
+    p.add_argument(
+        "--method",
+        nargs="+",
+        default=list(d.methods),
+        dest="methods",
+        help=f"one or more of: {', '.join(METHODS)}",
+    )
     p.add_argument("--tokens", type=int, default=d.tokens)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -312,9 +377,20 @@ def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     return CalibrateConfig(
-        model=a.model, data=a.data, methods=tuple(a.methods), tokens=a.tokens, seq_len=a.seq_len,
-        batch_size=a.batch_size, bits=tuple(a.bits), clips=a.clips, group_size=a.group_size,
-        share=a.share, gamma=a.gamma, seed=a.seed, holdout=a.holdout, out=a.out,
+        model=a.model,
+        data=a.data,
+        methods=tuple(a.methods),
+        tokens=a.tokens,
+        seq_len=a.seq_len,
+        batch_size=a.batch_size,
+        bits=tuple(a.bits),
+        clips=a.clips,
+        group_size=a.group_size,
+        share=a.share,
+        gamma=a.gamma,
+        seed=a.seed,
+        holdout=a.holdout,
+        out=a.out,
         progress=not a.no_progress,
     )
 

@@ -58,8 +58,18 @@ def calibrate_clips(
         hkv, d = pr.A_K.shape[0], pr.A_K.shape[-1]
         f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         ek, ev = _grid_errors(
-            f(q), f(k), f(v), f(pr.A_K), f(pr.B_K), f(pr.A_V), f(pr.B_V), f(cq),
-            errors.w_o_heads(f(wo), hkv, d), g, bits=bits, group_size=group_size,
+            f(q),
+            f(k),
+            f(v),
+            f(pr.A_K),
+            f(pr.B_K),
+            f(pr.A_V),
+            f(pr.B_V),
+            f(cq),
+            errors.w_o_heads(f(wo), hkv, d),
+            g,
+            bits=bits,
+            group_size=group_size,
             sm_scale=d**-0.5,
         )
         best_k.append(grid[int(np.argmin(np.asarray(ek)))])

@@ -38,8 +38,9 @@ def token_windows(
 def split_holdout(windows: np.ndarray, num_holdout: int) -> tuple[np.ndarray, np.ndarray]:
     """(calibration windows, held-out windows): the last `num_holdout` windows are held out."""
     if num_holdout < 0 or num_holdout >= len(windows):
-        raise ValueError(f"num_holdout={num_holdout} must be in [0, {len(windows)}) for "
-                         f"{len(windows)} windows")
+        raise ValueError(
+            f"num_holdout={num_holdout} must be in [0, {len(windows)}) for {len(windows)} windows"
+        )
     if num_holdout == 0:
         return windows, windows[:0]
     return windows[:-num_holdout], windows[-num_holdout:]

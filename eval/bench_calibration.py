@@ -55,10 +55,13 @@ def _time(fn, batches) -> float:
 
 def main(cfg: BenchCalibrationConfig) -> dict:
     lm = load_model(cfg.model)
-    windows = token_windows(assets.calibration_text(), lm.tokenizer, cfg.seq_len,
-                            cfg.batch_size * cfg.batches)
-    batches = [jnp.asarray(windows[i * cfg.batch_size : (i + 1) * cfg.batch_size])
-               for i in range(cfg.batches)]
+    windows = token_windows(
+        assets.calibration_text(), lm.tokenizer, cfg.seq_len, cfg.batch_size * cfg.batches
+    )
+    batches = [
+        jnp.asarray(windows[i * cfg.batch_size : (i + 1) * cfg.batch_size])
+        for i in range(cfg.batches)
+    ]
     n_tokens = sum(b.size for b in batches)
     graphdef, params = nnx.split(lm.model)
 
@@ -67,37 +70,60 @@ def main(cfg: BenchCalibrationConfig) -> dict:
         return nnx.merge(graphdef, params)(tokens)[0]
 
     fwd_s = _time(lambda b: forward(params, b), batches)
-    rows = [dict(phase="forward", tokens_per_s=n_tokens / fwd_s, ratio_to_forward=1.0,
-                 peak_rss_mib=_peak_rss_mib())]
+    rows = [
+        dict(
+            phase="forward",
+            tokens_per_s=n_tokens / fwd_s,
+            ratio_to_forward=1.0,
+            peak_rss_mib=_peak_rss_mib(),
+        )
+    ]
     for method in cfg.methods:
         names = required_stats([method])
         step = make_stats_step(lm, names)
         c = lm.cfg
 
-        def run(b, names=names, step=step):
+        def run(b, names=names, step=step, c=c):
             stats = [init_stats(names, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
             return step(params, stats, b)
 
         s = _time(run, batches)
-        rows.append(dict(phase=f"statistics[{method}: {','.join(sorted(names))}]",
-                         tokens_per_s=n_tokens / s, ratio_to_forward=fwd_s / s,
-                         peak_rss_mib=_peak_rss_mib()))
+        rows.append(
+            dict(
+                phase=f"statistics[{method}: {','.join(sorted(names))}]",
+                tokens_per_s=n_tokens / s,
+                ratio_to_forward=fwd_s / s,
+                peak_rss_mib=_peak_rss_mib(),
+            )
+        )
     result = dict(
-        date=datetime.date.today().isoformat(), machine=f"{platform.machine()} "
+        date=datetime.date.today().isoformat(),
+        machine=f"{platform.machine()} "
         f"{platform.processor() or ''} cpus={jax.local_device_count()} backend="
-        f"{jax.default_backend()}", jax_version=jax.__version__, model=lm.source,
-        seq_len=cfg.seq_len, batch_size=cfg.batch_size, timed_tokens=n_tokens, rows=rows,
+        f"{jax.default_backend()}",
+        jax_version=jax.__version__,
+        model=lm.source,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        timed_tokens=n_tokens,
+        rows=rows,
     )
     out = pathlib.Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    lines = [f"Calibration throughput, {result['date']}, {result['machine']}, jax "
-             f"{result['jax_version']}, batch {cfg.batch_size} x {cfg.seq_len} tokens, "
-             f"{n_tokens} timed tokens per phase", "",
-             "| phase | tokens/s | vs forward | peak RSS (MiB) |", "|---|---|---|---|"]
+    lines = [
+        f"Calibration throughput, {result['date']}, {result['machine']}, jax "
+        f"{result['jax_version']}, batch {cfg.batch_size} x {cfg.seq_len} tokens, "
+        f"{n_tokens} timed tokens per phase",
+        "",
+        "| phase | tokens/s | vs forward | peak RSS (MiB) |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['phase']} | {r['tokens_per_s']:.0f} | {r['ratio_to_forward']:.0%} | "
-                     f"{r['peak_rss_mib']:.0f} |")
+        lines.append(
+            f"| {r['phase']} | {r['tokens_per_s']:.0f} | {r['ratio_to_forward']:.0%} | "
+            f"{r['peak_rss_mib']:.0f} |"
+        )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
@@ -105,8 +131,11 @@ def main(cfg: BenchCalibrationConfig) -> dict:
 
 def parse_args(argv=None) -> BenchCalibrationConfig:
     d = BenchCalibrationConfig()
-    p = argparse.ArgumentParser(prog="python -m eval.bench_calibration", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m eval.bench_calibration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--methods", nargs="+", default=list(d.methods))
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -114,8 +143,14 @@ def parse_args(argv=None) -> BenchCalibrationConfig:
     p.add_argument("--batches", type=int, default=d.batches)
     p.add_argument("--out", default=d.out)
     a = p.parse_args(argv)
-    return BenchCalibrationConfig(model=a.model, methods=tuple(a.methods), seq_len=a.seq_len,
-                                  batch_size=a.batch_size, batches=a.batches, out=a.out)
+    return BenchCalibrationConfig(
+        model=a.model,
+        methods=tuple(a.methods),
+        seq_len=a.seq_len,
+        batch_size=a.batch_size,
+        batches=a.batches,
+        out=a.out,
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ def sample_next(
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-        keep = jnp.zeros_like(keep_sorted).at[
-            jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
         logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
@@ -79,8 +82,7 @@ class Engine:
         self.cfg = model.cfg
         self.cache_kind = cache_kind
         self.cache_cfg = cache_cfg or CacheConfig()
-        self.transforms = transforms if transforms is not None else KVTransforms.identity(
-            self.cfg)
+        self.transforms = transforms if transforms is not None else KVTransforms.identity(self.cfg)
         self.transforms.check_matches(self.cfg)
         self.prefill_chunk = prefill_chunk
         self.graphdef, self.params = nnx.split(model)
@@ -97,8 +99,9 @@ class Engine:
         if self.cache_kind == "dense":
             return DenseKVCache.create(self.cfg, batch_size, max_len, self.model.dtype)
         ccfg = dataclasses.replace(self.cache_cfg, max_seq_len=max_len)
-        cache = PagedKVCache.create(self.cfg, ccfg, self.transforms, batch_size,
-                                    max_new_tokens=self.prefill_chunk)
+        cache = PagedKVCache.create(
+            self.cfg, ccfg, self.transforms, batch_size, max_new_tokens=self.prefill_chunk
+        )
         self.manager = PageManager(cache)
         return cache
 
@@ -107,8 +110,9 @@ class Engine:
         if self.cache_kind == "dense":
             need = int(np.max(np.asarray(cache.lengths))) + tokens.shape[1]
             if need > cache.max_len:
-                raise ValueError(f"dense cache of max_len={cache.max_len} cannot take {need} "
-                                 f"tokens")
+                raise ValueError(
+                    f"dense cache of max_len={cache.max_len} cannot take {need} tokens"
+                )
         else:
             cache = self.manager.prepare(cache, tokens.shape[1])
         return self._step(self.params, jnp.asarray(tokens, jnp.int32), cache)

@@ -59,14 +59,24 @@ def main(cfg: GenerateConfig) -> str:
         if cfg.fold_values:
             tf = fold_value_transforms(lm.model, tf)
         qc = QuantConfig(method=cfg.quantizer, bits=cfg.bits, group_size=cfg.group_size)
-        ccfg = CacheConfig(sink=cfg.sink, keep=cfg.keep, flush=cfg.flush,
-                           page_size=cfg.page_size, quant=qc, attention=cfg.attention)
+        ccfg = CacheConfig(
+            sink=cfg.sink,
+            keep=cfg.keep,
+            flush=cfg.flush,
+            page_size=cfg.page_size,
+            quant=qc,
+            attention=cfg.attention,
+        )
         engine = Engine(lm.model, cache_kind="paged", transforms=tf, cache_cfg=ccfg)
         mode = f"{cfg.bits}-bit {cfg.quantizer} cache, transforms={method}"
     ids = lm.tokenizer.encode(cfg.prompt, add_bos=cfg.add_bos)
     res = engine.generate(
-        [ids], cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        seed=cfg.seed, eos_ids=lm.tokenizer.eos_ids,
+        [ids],
+        cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+        eos_ids=lm.tokenizer.eos_ids,
     )
     text = lm.tokenizer.decode(res.tokens[0])
     print(cfg.prompt + text)
@@ -79,19 +89,30 @@ def main(cfg: GenerateConfig) -> str:
 
 
 def parse_args(argv=None) -> GenerateConfig:
-    p = argparse.ArgumentParser(prog="python -m kvjax.generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m kvjax.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = GenerateConfig()
-    p.add_argument("--model", default=d.model, help="HF checkpoint dir or .gguf (default: "
-                   "shipped SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="HF checkpoint dir or .gguf (default: shipped SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--prompt", default=d.prompt)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--transforms", default=None, help="calibrated transforms directory")
-    p.add_argument("--bits", type=int, choices=(2, 3, 4), default=None,
-                   help="low-bit KV cache width (default: full-precision cache)")
+    p.add_argument(
+        "--bits",
+        type=int,
+        choices=(2, 3, 4),
+        default=None,
+        help="low-bit KV cache width (default: full-precision cache)",
+    )
     p.add_argument("--quantizer", choices=("oscar", "quest", "minmax"), default=d.quantizer)
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--sink", type=int, default=d.sink)
@@ -102,7 +123,9 @@ def parse_args(argv=None) -> GenerateConfig:
     p.add_argument("--attention", choices=("reference", "pallas"), default=d.attention)
     p.add_argument("--add-bos", action="store_true")
     a = p.parse_args(argv)
-    return GenerateConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GenerateConfig)})
+    return GenerateConfig(
+        **{f.name: getattr(a, f.name) for f in dataclasses.fields(GenerateConfig)}
+    )
 
 
 if __name__ == "__main__":

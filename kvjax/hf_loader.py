@@ -53,7 +53,9 @@ def read_safetensors(path: str | pathlib.Path) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         if base + end > raw.size:
-            raise CheckpointError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
+            raise CheckpointError(
+                f"{path}: tensor {name} runs past the end of the file (truncated?)"
+            )
         dt = np.dtype(_DTYPES[info["dtype"]])
         arr = np.frombuffer(raw, dtype=dt, count=(end - start) // dt.itemsize, offset=base + start)
         out[name] = arr.reshape(info["shape"])

@@ -78,18 +78,22 @@ class DenseKVCache:
         kl, vl = self.k[layer], self.v[layer]
         if k.shape[2:] != kl.shape[2:]:
             raise ValueError(f"{k.shape=} does not match cache layer shape {kl.shape=}")
-        write = jax.vmap(lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(
-            buf, new.astype(buf.dtype), start, axis=0))
+        write = jax.vmap(
+            lambda buf, new, start: jax.lax.dynamic_update_slice_in_dim(
+                buf, new.astype(buf.dtype), start, axis=0
+            )
+        )
         kl = write(kl, k, self.lengths)
         vl = write(vl, v, self.lengths)
         s_max = kl.shape[1]
         kv_pos = jnp.broadcast_to(jnp.arange(s_max, dtype=jnp.int32), (kl.shape[0], s_max))
         valid = kv_pos < (self.lengths + q.shape[1])[:, None]
-        o = grouped_attention(q, kl, vl, causal_mask(positions, kv_pos, valid),
-                              sm_scale=self.sm_scale)
+        o = grouped_attention(
+            q, kl, vl, causal_mask(positions, kv_pos, valid), sm_scale=self.sm_scale
+        )
         new = self.replace(
-            k=self.k[:layer] + (kl,) + self.k[layer + 1:],
-            v=self.v[:layer] + (vl,) + self.v[layer + 1:],
+            k=self.k[:layer] + (kl,) + self.k[layer + 1 :],
+            v=self.v[:layer] + (vl,) + self.v[layer + 1 :],
         )
         return o, new
 

@@ -80,11 +80,14 @@ class CacheConfig:
     def __post_init__(self):
         p = self.page_size
         if p <= 0 or self.flush <= 0 or self.sink < 0 or self.keep < 0:
-            raise ValueError(f"invalid windows: page_size={p} sink={self.sink} "
-                             f"keep={self.keep} flush={self.flush}")
+            raise ValueError(
+                f"invalid windows: page_size={p} sink={self.sink} "
+                f"keep={self.keep} flush={self.flush}"
+            )
         if self.sink % p or self.flush % p:
-            raise ValueError(f"sink={self.sink} and flush={self.flush} must be multiples of "
-                             f"page_size={p}")
+            raise ValueError(
+                f"sink={self.sink} and flush={self.flush} must be multiples of page_size={p}"
+            )
         if self.keep < 1:
             raise ValueError(f"keep={self.keep}: at least the newest token stays full precision")
         if self.attention not in ("reference", "pallas"):
@@ -232,10 +235,12 @@ class PagedKVCache:
         fk = _gather_tokens(pools.k_fp, plan.flush_src)  # [B, F, K, d]
         fv = _gather_tokens(pools.v_fp, plan.flush_src)
         dst = jnp.concatenate([plan.flush_dst, plan.new_low_dst], axis=1)
-        k_low = _store_low(pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1),
-                           cfg.quant, tf.clip_k[layer])
-        v_low = _store_low(pools.v_low, dst, jnp.concatenate([fv, v_t], axis=1),
-                           cfg.value_quant, tf.clip_v[layer])
+        k_low = _store_low(
+            pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1), cfg.quant, tf.clip_k[layer]
+        )
+        v_low = _store_low(
+            pools.v_low, dst, jnp.concatenate([fv, v_t], axis=1), cfg.value_quant, tf.clip_v[layer]
+        )
 
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
         pools_all = self.pools[:layer] + (new_pools,) + self.pools[layer + 1 :]
@@ -275,17 +280,32 @@ class PagedKVCache:
 
         plan, cfg, tf = self.plan, self.cfg, self.transforms
         if cfg.quant is None or cfg.quant.bits == 3 or cfg.value_quant.bits != cfg.quant.bits:
-            raise ValueError("the pallas decode path needs packed 2- or 4-bit pages, the same "
-                             "width for keys and values")
+            raise ValueError(
+                "the pallas decode path needs packed 2- or 4-bit pages, the same "
+                "width for keys and values"
+            )
         kc, ks, kz = self.pools[layer].k_low
         vc, vs, vz = self.pools[layer].v_low
         backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
         o = decode_attention(
-            q[:, 0], k_fp, v_fp, plan.fp_table, plan.fp_len + 1,
-            kc, vc, ks, kz, vs, vz, plan.low_table, plan.low_len,
+            q[:, 0],
+            k_fp,
+            v_fp,
+            plan.fp_table,
+            plan.fp_len + 1,
+            kc,
+            vc,
+            ks,
+            kz,
+            vs,
+            vz,
+            plan.low_table,
+            plan.low_len,
             jnp.swapaxes(tf.b_k[layer], -1, -2),
             None if tf.values_folded else tf.b_v[layer],
-            bits=cfg.quant.bits, sm_scale=self.sm_scale, backend=backend,
+            bits=cfg.quant.bits,
+            sm_scale=self.sm_scale,
+            backend=backend,
             interpret=jax.default_backend() == "cpu",
         )
         return o[:, None].astype(jnp.float32)
@@ -299,8 +319,13 @@ def _make_pools(mcfg: ModelConfig, ccfg: CacheConfig, n_fp: int, n_q: int) -> La
         if qc is None:
             return (jnp.full((n_q, hkv, p, d), jnp.nan, fp_dtype),)
         lo = lay.PageLayout(
-            page_size=p, num_kv_heads=hkv, head_dim=d, bits=qc.bits,
-            group_size=qc.resolve_group_size(d), meta_dtype=qc.meta_dtype, fp_dtype=ccfg.fp_dtype,
+            page_size=p,
+            num_kv_heads=hkv,
+            head_dim=d,
+            bits=qc.bits,
+            group_size=qc.resolve_group_size(d),
+            meta_dtype=qc.meta_dtype,
+            fp_dtype=ccfg.fp_dtype,
         )
         return (
             jnp.zeros(lo.codes_shape(n_q), lo.codes_dtype),
@@ -309,8 +334,9 @@ def _make_pools(mcfg: ModelConfig, ccfg: CacheConfig, n_fp: int, n_q: int) -> La
         )
 
     fp = jnp.full((n_fp, hkv, p, d), jnp.nan, fp_dtype)
-    return LayerPools(k_fp=fp, v_fp=jnp.full_like(fp, jnp.nan), k_low=low(ccfg.quant),
-                      v_low=low(ccfg.value_quant))
+    return LayerPools(
+        k_fp=fp, v_fp=jnp.full_like(fp, jnp.nan), k_low=low(ccfg.quant), v_low=low(ccfg.value_quant)
+    )
 
 
 def _split_slot(pool: jax.Array, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -319,10 +345,9 @@ def _split_slot(pool: jax.Array, flat: jax.Array) -> tuple[jax.Array, jax.Array]
 
 
 def _scatter_tokens(pool: jax.Array, flat: jax.Array, vals: jax.Array) -> jax.Array:
-    """pool[page, :, slot] = vals for every (b, t); out-of-range flat slots are dropped."""
+    """Writes vals [B, T, K, w] at flat slots [B, T]; out-of-range slots are dropped."""
     page, slot = _split_slot(pool, flat.reshape(-1))
-    v = vals.reshape(-1, *vals.shape[2:]).astype(pool.dtype)  # [N, K, ...]
-    return pool.at[page, :, slot].set(v, mode="drop")
+    return lay.scatter_tokens(pool, vals.reshape(-1, *vals.shape[2:]), page, slot)
 
 
 def _gather_tokens(pool: jax.Array, flat: jax.Array) -> jax.Array:
@@ -344,8 +369,9 @@ def _store_low(low, dst, vals, qc: QuantConfig | None, clip):
         return (_scatter_tokens(low[0], dst, vals),)
     # The stored clip is OSCAR's percentile kappa; quest/minmax use their own rules.
     qa = quantize(vals, qc, clip=clip if qc.method == "oscar" else None)
-    return tuple(_scatter_tokens(pool, dst, x) for pool, x in zip(low, (qa.codes, qa.scale,
-                                                                         qa.zero)))
+    return tuple(
+        _scatter_tokens(pool, dst, x) for pool, x in zip(low, (qa.codes, qa.scale, qa.zero))
+    )
 
 
 def _read_low(low, table, qc: QuantConfig | None, d: int) -> jax.Array:
@@ -353,8 +379,13 @@ def _read_low(low, table, qc: QuantConfig | None, d: int) -> jax.Array:
         return _gather_pages(low[0], table).astype(jnp.float32)
     codes, scale, zero = (_gather_pages(x, table) for x in low)
     qa = QuantizedArray(
-        codes=codes, scale=scale, zero=zero, bits=qc.bits, group_size=qc.resolve_group_size(d),
-        d=d, packed=lay.is_packed(qc.bits),
+        codes=codes,
+        scale=scale,
+        zero=zero,
+        bits=qc.bits,
+        group_size=qc.resolve_group_size(d),
+        d=d,
+        packed=lay.is_packed(qc.bits),
     )
     return dequantize(qa)
 
@@ -423,8 +454,10 @@ class PageManager:
         t = max(counts) if counts else 0
         for i, (s, n) in enumerate(zip(self.seqs, counts)):
             if s.length + n > cfg.max_seq_len:
-                raise ValueError(f"sequence {i}: length {s.length} + {n} new tokens exceeds "
-                                 f"max_seq_len={cfg.max_seq_len}")
+                raise ValueError(
+                    f"sequence {i}: length {s.length} + {n} new tokens exceeds "
+                    f"max_seq_len={cfg.max_seq_len}"
+                )
         # Pages flushed in the previous step have been read by it; they are free now.
         free_fp = self.free_fp + self._pending_free_fp
         free_low = list(self.free_low)
@@ -437,12 +470,14 @@ class PageManager:
         if need_fp > len(free_fp):
             raise PagePoolExhausted(
                 f"full-precision page pool exhausted: step needs {need_fp} pages, "
-                f"{len(free_fp)} free of {self.num_fp_pages}; nothing was changed")
+                f"{len(free_fp)} free of {self.num_fp_pages}; nothing was changed"
+            )
         if need_low > len(free_low):
             raise PagePoolExhausted(
                 f"low-bit page pool exhausted: step needs {need_low} pages, {len(free_low)} "
                 f"free of {self.num_low_pages} (raise num_lowbit_pages or max_seq_len); "
-                f"nothing was changed")
+                f"nothing was changed"
+            )
         self.free_fp, self.free_low, self._pending_free_fp = free_fp, free_low, []
 
         m_fp = cfg.fp_pages_per_seq()

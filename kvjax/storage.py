@@ -46,7 +46,9 @@ def _checkpointer():
     return ocp.StandardCheckpointer()
 
 
-def save_transforms(path: str | os.PathLike[str], tf: KVTransforms, metadata: dict[str, Any]) -> None:
+def save_transforms(
+    path: str | os.PathLike[str], tf: KVTransforms, metadata: dict[str, Any]
+) -> None:
     """Writes `tf` and `metadata` (must include 'model_fingerprint') atomically to `path`."""
     path = pathlib.Path(path)
     if "model_fingerprint" not in metadata:
@@ -82,8 +84,9 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = pathlib.Path(path)
     f = path / "metadata.json"
     if not f.is_file():
-        raise TransformsCheckpointError(f"{path} is not a kvjax transforms checkpoint "
-                                        f"(no metadata.json)")
+        raise TransformsCheckpointError(
+            f"{path} is not a kvjax transforms checkpoint (no metadata.json)"
+        )
     try:
         meta = json.loads(f.read_text())
     except json.JSONDecodeError as e:
@@ -92,7 +95,8 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise TransformsCheckpointError(
             f"{path}: format_version={version!r} is not supported (this kvjax reads "
-            f"{FORMAT_VERSION})")
+            f"{FORMAT_VERSION})"
+        )
     return meta
 
 
@@ -117,12 +121,14 @@ def load_transforms(
     if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
         raise TransformsCheckpointError(
             f"{path} was calibrated for model {meta.get('model_fingerprint')} "
-            f"({meta.get('model_source', '?')}), not for this model ({fingerprint})")
+            f"({meta.get('model_source', '?')}), not for this model ({fingerprint})"
+        )
     try:
         arrays = _checkpointer().restore(path / "arrays")
     except Exception as e:  # orbax raises several types for damaged files
-        raise TransformsCheckpointError(f"{path}: cannot read arrays ({type(e).__name__}: {e})"
-                                        ) from e
+        raise TransformsCheckpointError(
+            f"{path}: cannot read arrays ({type(e).__name__}: {e})"
+        ) from e
     for k in _ARRAYS:
         if k not in arrays:
             raise TransformsCheckpointError(f"{path}: array {k} is missing")
@@ -130,7 +136,8 @@ def load_transforms(
         if list(a.shape) != meta["shapes"][k] or _digest(a) != meta["digests"][k]:
             raise TransformsCheckpointError(
                 f"{path}: array {k} does not match its recorded shape/digest (corrupt or "
-                f"truncated checkpoint)")
+                f"truncated checkpoint)"
+            )
     tf = KVTransforms(*(jnp.asarray(np.asarray(arrays[k], np.float32)) for k in _ARRAYS))
     if cfg is not None:
         try:

@@ -44,16 +44,17 @@ class KVTransforms:
         return self.a_k.shape[0]
 
     @classmethod
-    def identity(
-        cls, cfg: ModelConfig, clip_k: float = 1.0, clip_v: float = 1.0
-    ) -> KVTransforms:
+    def identity(cls, cfg: ModelConfig, clip_k: float = 1.0, clip_v: float = 1.0) -> KVTransforms:
         eye = np.broadcast_to(
             np.eye(cfg.head_dim, dtype=np.float32),
             (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim),
         )
         ones = np.ones((cfg.num_layers,), np.float32)
-        return cls(*(jnp.asarray(eye) for _ in range(4)), jnp.asarray(clip_k * ones),
-                   jnp.asarray(clip_v * ones))
+        return cls(
+            *(jnp.asarray(eye) for _ in range(4)),
+            jnp.asarray(clip_k * ones),
+            jnp.asarray(clip_v * ones),
+        )
 
     def check_matches(self, cfg: ModelConfig) -> None:
         """Raises ValueError naming the mismatch if these transforms do not fit `cfg`."""
@@ -67,8 +68,9 @@ class KVTransforms:
                 )
         for name in ("clip_k", "clip_v"):
             if tuple(getattr(self, name).shape) != (cfg.num_layers,):
-                raise ValueError(f"{name} has shape {getattr(self, name).shape}, want "
-                                 f"({cfg.num_layers},)")
+                raise ValueError(
+                    f"{name} has shape {getattr(self, name).shape}, want ({cfg.num_layers},)"
+                )
 
     def with_values_folded(self) -> KVTransforms:
         """The same transforms with the value pair replaced by identity (after folding)."""
@@ -96,8 +98,9 @@ def fold_value_transforms(model, transforms: KVTransforms) -> KVTransforms:
         attn.v_proj.kernel[...] = kv.reshape(-1, hkv * d).astype(attn.v_proj.kernel.dtype)
         if attn.v_proj.bias is not None:
             bv = attn.v_proj.bias[...].reshape(hkv, d).astype(jnp.float32)
-            attn.v_proj.bias[...] = jnp.einsum("KH,KHJ->KJ", bv, a_v).reshape(-1).astype(
-                attn.v_proj.bias.dtype)
+            attn.v_proj.bias[...] = (
+                jnp.einsum("KH,KHJ->KJ", bv, a_v).reshape(-1).astype(attn.v_proj.bias.dtype)
+            )
         ko = attn.o_proj.kernel[...]  # [Hq*d, D]; head j's rows read o_j
         ko = ko.reshape(hkv, g, d, -1).astype(jnp.float32)
         ko = jnp.einsum("KHJ,KGJD->KGHD", b_v, ko)

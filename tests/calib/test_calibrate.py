@@ -22,9 +22,16 @@ def tiny_dir(tmp_path_factory):
     """A tiny random Llama saved as a local HF checkpoint with the real SmolLM2 tokenizer."""
     d = tmp_path_factory.mktemp("tiny_llama")
     tok = Tokenizer.from_gguf(assets.default_model_path())
-    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_hf_dir(d)
@@ -39,8 +46,18 @@ def text_file(tmp_path_factory):
 
 
 def _cfg(model, data, out, **kw):
-    base = dict(model=str(model), data=str(data), methods=("wush", "oscar"), tokens=1024,
-                seq_len=128, batch_size=2, bits=(2, 4), holdout=1, out=str(out), progress=False)
+    base = dict(
+        model=str(model),
+        data=str(data),
+        methods=("wush", "oscar"),
+        tokens=1024,
+        seq_len=128,
+        batch_size=2,
+        bits=(2, 4),
+        holdout=1,
+        out=str(out),
+        progress=False,
+    )
     base.update(kw)
     return cal.CalibrateConfig(**base)
 
@@ -53,8 +70,9 @@ def test_end_to_end_tiny(tiny_dir, text_file, tmp_path):
         assert meta["method"] == m and meta["tokens"] == 1024
         assert set(meta["clips_by_bits"]) == {"2", "4"}
         eye = np.eye(32)
-        np.testing.assert_allclose(np.asarray(tf.a_k @ tf.b_k), np.broadcast_to(eye, tf.a_k.shape),
-                                   atol=1e-4)
+        np.testing.assert_allclose(
+            np.asarray(tf.a_k @ tf.b_k), np.broadcast_to(eye, tf.a_k.shape), atol=1e-4
+        )
         assert np.all((np.asarray(tf.clip_k) > 0) & (np.asarray(tf.clip_k) <= 1))
     assert not (tmp_path / "identity").exists()  # baselines are scored, not saved
 
@@ -116,8 +134,16 @@ def test_storage_refuses_wrong_or_damaged_checkpoints(tiny_dir, text_file, tmp_p
         load_transforms(truncated)
     from kvjax.config import ModelConfig
 
-    other = ModelConfig(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=8,
-                        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32)
+    other = ModelConfig(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=64,
+        intermediate_size=8,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    )
     with pytest.raises(TransformsCheckpointError, match="made for another model"):
         load_transforms(ck, cfg=other)
 
@@ -137,9 +163,15 @@ def test_bad_input(tiny_dir, text_file, tmp_path):
 def test_hadamard_needs_power_of_two_head_dim(tmp_path, text_file):
     d = tmp_path / "hd48"
     tok = Tokenizer.from_gguf(assets.default_model_path())
-    cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=96, intermediate_size=64,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, head_dim=48)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=96,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=48,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_hf_dir(d)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
@@ -150,8 +182,17 @@ def test_hadamard_needs_power_of_two_head_dim(tmp_path, text_file):
 def test_directional_on_real_model(tmp_path):
     """Shipped SmolLM2, real calibration plays, 2 bits: wush <= oscar < identity, wush < hadamard
     (mean over layers of the held-out attention-output error)."""
-    s = cal.main(cal.CalibrateConfig(methods=("wush", "oscar"), tokens=4096, seq_len=512,
-                                     bits=(2,), holdout=2, out=str(tmp_path), progress=False))
+    s = cal.main(
+        cal.CalibrateConfig(
+            methods=("wush", "oscar"),
+            tokens=4096,
+            seq_len=512,
+            bits=(2,),
+            holdout=2,
+            out=str(tmp_path),
+            progress=False,
+        )
+    )
     mean = {m: float(np.mean(v["output_error"])) for m, v in s["methods"].items()}
     assert mean["wush"] <= mean["oscar"] < mean["identity"], mean
     assert mean["wush"] < mean["hadamard"], mean

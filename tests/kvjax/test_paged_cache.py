@@ -16,15 +16,32 @@ from kvjax.paged_cache import CacheConfig, PagedKVCache, PageManager, PagePoolEx
 from kvjax.quantizers import QuantConfig
 from kvjax.transforms import KVTransforms
 
-CFG = ModelConfig(model_type="llama", vocab_size=61, hidden_size=64, intermediate_size=96,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+CFG = ModelConfig(
+    model_type="llama",
+    vocab_size=61,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
 SMALL = CacheConfig(sink=8, keep=8, flush=8, page_size=4, quant=None, max_seq_len=96)
 
 
 def random_orthogonal_transforms(cfg, seed=0):
     rng = np.random.default_rng(seed)
-    a = np.stack([np.stack([np.linalg.qr(rng.normal(size=(cfg.head_dim,) * 2))[0]
-                            for _ in range(cfg.num_kv_heads)]) for _ in range(cfg.num_layers)])
+    a = np.stack(
+        [
+            np.stack(
+                [
+                    np.linalg.qr(rng.normal(size=(cfg.head_dim,) * 2))[0]
+                    for _ in range(cfg.num_kv_heads)
+                ]
+            )
+            for _ in range(cfg.num_layers)
+        ]
+    )
     a = jnp.asarray(a, jnp.float32)
     at = jnp.swapaxes(a, -1, -2)
     ones = jnp.ones((cfg.num_layers,))
@@ -62,8 +79,13 @@ def run_chunks(step, cache, mgr, tokens, chunks):
 def test_segment_boundaries_and_page_accounting(chunks):
     """Host bookkeeping alone (no model): segments follow the policy after any call sequence."""
     cc = SMALL
-    cache = PagedKVCache.create(CFG, dataclasses.replace(cc, max_seq_len=200), KVTransforms.identity(CFG), 1,
-                                max_new_tokens=16)
+    cache = PagedKVCache.create(
+        CFG,
+        dataclasses.replace(cc, max_seq_len=200),
+        KVTransforms.identity(CFG),
+        1,
+        max_new_tokens=16,
+    )
     mgr = PageManager(cache)
     total = 0
     for c in chunks:
@@ -195,12 +217,20 @@ def test_pool_exhaustion_is_clear_and_changes_nothing(model, step):
 
 def test_memory_accounting_reports_low_bits():
     cfg_big = dataclasses.replace(CFG, num_layers=1)
-    q = PagedKVCache.create(cfg_big, dataclasses.replace(SMALL, quant=QuantConfig(bits=2),
-                                                          max_seq_len=4096, fp_dtype="bfloat16"),
-                            KVTransforms.identity(cfg_big), 1)
-    f = PagedKVCache.create(cfg_big, dataclasses.replace(SMALL, quant=None, max_seq_len=4096,
-                                                          fp_dtype="bfloat16"),
-                            KVTransforms.identity(cfg_big), 1)
+    q = PagedKVCache.create(
+        cfg_big,
+        dataclasses.replace(
+            SMALL, quant=QuantConfig(bits=2), max_seq_len=4096, fp_dtype="bfloat16"
+        ),
+        KVTransforms.identity(cfg_big),
+        1,
+    )
+    f = PagedKVCache.create(
+        cfg_big,
+        dataclasses.replace(SMALL, quant=None, max_seq_len=4096, fp_dtype="bfloat16"),
+        KVTransforms.identity(cfg_big),
+        1,
+    )
     # head_dim 32 at 2 bits: 8 bytes codes + 2x2 bytes fp16 scale/zero per head-token = 12 vs 64.
     assert q.allocated_bytes() < 0.25 * f.allocated_bytes()
 
@@ -216,8 +246,15 @@ def test_pallas_decode_path_matches_reference():
     tf = random_orthogonal_transforms(cfg, seed=9)
     outs = {}
     for impl in ("reference", "pallas"):  # Triton tiles need page_size >= 16
-        cc = CacheConfig(sink=16, keep=16, flush=16, page_size=16, quant=QuantConfig(bits=2),
-                         max_seq_len=96, attention=impl)
+        cc = CacheConfig(
+            sink=16,
+            keep=16,
+            flush=16,
+            page_size=16,
+            quant=QuantConfig(bits=2),
+            max_seq_len=96,
+            attention=impl,
+        )
         cache = PagedKVCache.create(cfg, cc, tf, 2)
         mgr = PageManager(cache)
         outs[impl], _ = run_chunks(step, cache, mgr, tokens, [32, 32, 1, 1, 1, 1])
