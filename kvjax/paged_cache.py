@@ -234,13 +234,30 @@ class PagedKVCache:
         # bits (long prefill chunks), are quantized into low-bit pages.
         fk = _gather_tokens(pools.k_fp, plan.flush_src)  # [B, F, K, d]
         fv = _gather_tokens(pools.v_fp, plan.flush_src)
-        dst = jnp.concatenate([plan.flush_dst, plan.new_low_dst], axis=1)
-        k_low = _store_low(
-            pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1), cfg.quant, tf.clip_k[layer]
-        )
-        v_low = _store_low(
-            pools.v_low, dst, jnp.concatenate([fv, v_t], axis=1), cfg.value_quant, tf.clip_v[layer]
-        )
+        if cfg.attention == "pallas" and cfg.quant is not None:
+            # The fused quantize+pack kernel: flushed tokens are already in the stored frame
+            # (identity transform); new tokens going straight to low bits are transformed by
+            # the kernel itself. Single-token decode never sends new tokens to low bits.
+            eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tf.a_k[layer].shape)
+            k_low, v_low = pools.k_low, pools.v_low
+            sets = [(plan.flush_dst, fk, fv, eye, eye)]
+            if t > 1:
+                sets.append((plan.new_low_dst, k, v, tf.a_k[layer], tf.a_v[layer]))
+            for dst, xk, xv, ak, av in sets:
+                k_low = _store_low_kernel(k_low, dst, xk, ak, cfg.quant, tf.clip_k[layer])
+                v_low = _store_low_kernel(v_low, dst, xv, av, cfg.value_quant, tf.clip_v[layer])
+        else:
+            dst = jnp.concatenate([plan.flush_dst, plan.new_low_dst], axis=1)
+            k_low = _store_low(
+                pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1), cfg.quant, tf.clip_k[layer]
+            )
+            v_low = _store_low(
+                pools.v_low,
+                dst,
+                jnp.concatenate([fv, v_t], axis=1),
+                cfg.value_quant,
+                tf.clip_v[layer],
+            )
 
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
         pools_all = self.pools[:layer] + (new_pools,) + self.pools[layer + 1 :]
@@ -371,6 +388,28 @@ def _store_low(low, dst, vals, qc: QuantConfig | None, clip):
     qa = quantize(vals, qc, clip=clip if qc.method == "oscar" else None)
     return tuple(
         _scatter_tokens(pool, dst, x) for pool, x in zip(low, (qa.codes, qa.scale, qa.zero))
+    )
+
+
+def _store_low_kernel(low, dst, x, a, qc: QuantConfig, clip):
+    """Quantize+pack x [B, N, K, d] (transformed by `a` in the kernel) into the low-bit pools."""
+    from pallas_kernels.quantize_pack import quantize_pack_to_pages  # lazy: optional path
+
+    if qc.bits not in (2, 4):
+        raise ValueError(f"the pallas path stores packed 2- or 4-bit pages, not bits={qc.bits}")
+    page, slot = _split_slot(low[0], dst.reshape(-1))
+    return quantize_pack_to_pages(
+        x.reshape(-1, *x.shape[2:]),
+        a,
+        *low,
+        page,
+        slot,
+        clip if qc.method == "oscar" else None,
+        method=qc.method,
+        bits=qc.bits,
+        group_size=qc.group_size,
+        backend="tpu" if jax.default_backend() == "tpu" else "gpu",
+        interpret=jax.default_backend() == "cpu",
     )
 
 
