@@ -492,6 +492,6 @@ def capture_observed(model: Transformer) -> list[Any]:
     out = []
     for i in range(len(model.layers)):
         node = inter["layers"][i]["self_attn"]["observed"]
-        val = node.value if hasattr(node, "value") else node
+        val = node.get_value() if isinstance(node, nnx.Variable) else node
         out.append(val[0] if isinstance(val, tuple) else val)
     return out
