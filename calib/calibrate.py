@@ -38,7 +38,7 @@ from calib import errors
 from calib.data import split_holdout, token_windows
 from calib.statistics import finalize_stats, init_stats, required_stats, update_stats
 from calib.transforms import _HADAMARD_METHODS, METHODS, TransformPair, build_transforms
-from kvjax import assets
+from kvjax import assets, sharding
 from kvjax.loading import LoadedModel, load_model
 from kvjax.model import capture_observed
 from kvjax.quantizers import QuantConfig
@@ -63,6 +63,7 @@ class CalibrateConfig:
     gamma: float = 1e-2
     seed: int = 0
     holdout: int = 2  # held-out calibration windows for clips and the closing table
+    data_parallel: int = 1  # devices to shard each batch over (statistics are summed)
     out: str = "runs/calib"
     progress: bool = True
 
@@ -102,8 +103,12 @@ def collect_statistics(
     resume_file: pathlib.Path | None = None,
     resume_key: dict | None = None,
     progress: bool = True,
+    data_parallel: int = 1,
 ) -> tuple[list[dict], float]:
     """Per-layer statistic sums over all windows; resumes from `resume_file` when it matches.
+
+    With `data_parallel` > 1 each batch is sharded over that many devices ("data" mesh axis);
+    parameters and statistics are replicated and XLA sums the per-device contributions.
 
     Returns (stats per layer, tokens/s of the statistics pass).
     """
@@ -122,6 +127,15 @@ def collect_statistics(
             print(f"{resume_file} was made with other settings; starting over", file=sys.stderr)
     _, params = nnx.split(lm.model)
     step = make_stats_step(lm, names)
+    mesh = None
+    if data_parallel > 1:
+        if batch_size % data_parallel:
+            raise ValueError(
+                f"batch_size={batch_size} must be a multiple of data_parallel={data_parallel}"
+            )
+        mesh = sharding.make_mesh(data=data_parallel)
+        params = jax.device_put(params, sharding.replicated(mesh))
+        stats = jax.device_put(stats, sharding.replicated(mesh))
     n_batches = -(-len(windows) // batch_size)
     bar = tqdm(
         total=len(windows) * windows.shape[1],
@@ -134,6 +148,9 @@ def collect_statistics(
     t0, tokens_done = None, 0
     for bi in range(start, n_batches):
         batch = jnp.asarray(windows[bi * batch_size : (bi + 1) * batch_size])
+        if mesh is not None:
+            batch = _check_divisible(batch, data_parallel)
+            batch = jax.device_put(batch, sharding.logical_sharding(mesh, "batch", None))
         stats = step(params, stats, batch)
         jax.block_until_ready(stats)
         if t0 is None:  # first batch includes compilation; time the rest
@@ -146,6 +163,16 @@ def collect_statistics(
     bar.close()
     rate = tokens_done / (time.perf_counter() - t0) if tokens_done else float("nan")
     return stats, rate
+
+
+def _check_divisible(batch: jax.Array, n: int) -> jax.Array:
+    """The last batch may be short; a short batch cannot be split evenly, so refuse it."""
+    if batch.shape[0] % n:
+        raise ValueError(
+            f"a batch of {batch.shape[0]} windows cannot be split over {n} devices; "
+            f"choose --tokens so the window count is a multiple of the batch size"
+        )
+    return batch
 
 
 def _save_resume(path: pathlib.Path, stats: list[dict], batches_done: int, key: dict) -> None:
@@ -266,7 +293,14 @@ def main(cfg: CalibrateConfig) -> dict:
         stats=sorted(names),
     )
     stats, rate = collect_statistics(
-        lm, cal, frozenset(names), cfg.batch_size, out / "stats.npz", key, cfg.progress
+        lm,
+        cal,
+        frozenset(names),
+        cfg.batch_size,
+        out / "stats.npz",
+        key,
+        cfg.progress,
+        cfg.data_parallel,
     )
     final = [finalize_stats(s) for s in stats]
     acts = capture_activations(lm, held)
@@ -374,6 +408,12 @@ def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--holdout", type=int, default=d.holdout)
     p.add_argument("--out", default=d.out)
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=d.data_parallel,
+        help="shard each batch over this many local devices",
+    )
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     return CalibrateConfig(
@@ -391,6 +431,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
         seed=a.seed,
         holdout=a.holdout,
         out=a.out,
+        data_parallel=a.data_parallel,
         progress=not a.no_progress,
     )
 
