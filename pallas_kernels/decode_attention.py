@@ -68,7 +68,17 @@ class DecodeConfig:
       scale_log2: ``sm_scale * log2(e)``; logits are kept in base-2 units so the softmax uses
         ``exp2``.
       pages_per_block: pages gathered per inner-loop step.
-      has_query_transform / has_value_inverse: whether the optional matrices are given.
+      has_query_transform / has_value_inverse: whether the optional matrices are given to
+        the split body (the GPU path applies them in separate prologue/epilogue kernels and
+        passes ``False`` here).
+      unpack: how a low-bit tile meets the tensor cores. ``"planes"``: ``n`` dots of width
+        ``d/n`` per tile, one per code plane (``n_chunks = n``). ``"full"``: the planes are
+        stacked into one ``[T, d]`` tile by a broadcast shift and a reshape, so keys and values
+        each need ONE dot per tile (``n_chunks = 1``).
+      int_to_float: how codes become float16 dot operands. ``"convert"``: an int->float
+        convert. ``"exponent"``: OR the code into the mantissa of float16 1024.0
+        (``0x6400 | c`` is ``1024 + c`` exactly) and subtract 1024, which uses integer-logic and
+        half-precision add units instead of the slower conversion unit.
     """
 
     head_dim: int
@@ -81,11 +91,19 @@ class DecodeConfig:
     pages_per_block: int
     has_query_transform: bool
     has_value_inverse: bool
+    unpack: str = "planes"
+    int_to_float: str = "convert"
 
     @property
     def chunk(self) -> int:
         """Channels per output chunk (= packed bytes per row for the low-bit set)."""
         return self.head_dim // self.n_chunks
+
+    @property
+    def packed_width(self) -> int:
+        """Packed bytes per token row of the low-bit set (``d / codes_per_byte``)."""
+        assert self.bits is not None
+        return self.head_dim // layout.codes_per_byte(self.bits)
 
     @property
     def num_groups(self) -> int:
@@ -208,12 +226,107 @@ def tile_softmax_step(
     return p, m_new, alpha, l_new
 
 
+INT_TO_FLOAT = ("convert", "exponent")
+UNPACK_MODES = ("planes", "full")
+# float16 1024.0: exponent 10, empty mantissa. Its ulp is 1, so ``bits | 0x6400`` is
+# ``1024 + code`` exactly for any code below 1024.
+_F16_1024_BITS = 0x6400
+
+
+def codes_to_f16(
+    codes: jax.Array,  # i32[...] small non-negative integers (< 1024)
+    int_to_float: str = "convert",
+) -> jax.Array:  # f16[...] the same integers, exactly
+    """Small integer codes as exact float16 (see `DecodeConfig.int_to_float`)."""
+    if int_to_float == "convert":
+        return codes.astype(CODE_DOT_DTYPE)
+    if int_to_float != "exponent":
+        raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
+    half_bits = (codes | _F16_1024_BITS).astype(jnp.int16)
+    return lax.bitcast_convert_type(half_bits, CODE_DOT_DTYPE) - jnp.asarray(1024, CODE_DOT_DTYPE)
+
+
 def unpack_tile_planes(
     packed: jax.Array,  # u8[T, d/n]
     bits: int,
+    int_to_float: str = "convert",
 ) -> list[jax.Array]:  # n x f16[T, d/n]
     """Code planes of a tile as exact small-integer float16 (via `layout.unpack_planes`)."""
-    return [c.astype(CODE_DOT_DTYPE) for c in layout.unpack_planes(packed.astype(jnp.int32), bits)]
+    planes = layout.unpack_planes(packed.astype(jnp.int32), bits)
+    return [codes_to_f16(c, int_to_float) for c in planes]
+
+
+def unpack_tile_full(
+    packed: jax.Array,  # u8[T, d/n]
+    bits: int,
+    int_to_float: str = "convert",
+) -> jax.Array:  # f16[T, d] codes in channel order
+    """The whole ``[T, d]`` code tile in one piece, for a single full-width dot.
+
+    Follows the planar rule of `pallas_kernels.layout` (plane ``i`` = bit field ``i * bits``
+    of every byte = channels ``[i*m, (i+1)*m)``): shifting a ``[T, 1, m]`` view by a
+    ``[1, n, 1]`` column of bit offsets yields ``[T, n, m]``, whose row-major reshape to
+    ``[T, n*m]`` is channel order. Triton has no value concatenation, so this broadcast is the
+    way to build one tile from the planes.
+    """
+    n = layout.codes_per_byte(bits)
+    t, m = packed.shape
+    x = packed.astype(jnp.int32).reshape(t, 1, m)
+    offsets = (jnp.arange(n, dtype=jnp.int32) * bits).reshape(1, n, 1)
+    codes = (x >> offsets) & ((1 << bits) - 1)  # i32[T, n, m]
+    return codes_to_f16(codes, int_to_float).reshape(t, n * m)
+
+
+def group_masks(head_dim: int, group_size: int) -> list[jax.Array] | None:
+    """bool[1, d] channel mask of each scale group, or None when one group spans ``d``."""
+    if group_size >= head_dim:
+        return None
+    ch = jnp.arange(head_dim, dtype=jnp.int32).reshape(1, head_dim) // group_size
+    return [ch == g for g in range(head_dim // group_size)]
+
+
+def tile_full_query(
+    q16: jax.Array,  # f16[Gp, d] transformed-frame query
+    masks: list[jax.Array] | None,  # from `group_masks`
+) -> tuple[list[jax.Array], list[jax.Array]]:  # (ng x f16[Gp, d], ng x f32[Gp])
+    """Per scale group: the query with other groups' channels zeroed, and its sum."""
+    qs = [q16] if masks is None else [jnp.where(mk, q16, jnp.zeros_like(q16)) for mk in masks]
+    return qs, [jnp.sum(x.astype(jnp.float32), axis=1) for x in qs]
+
+
+def tile_lowbit_logits_full(
+    q_groups: list[jax.Array],  # ng x f16[Gp, d] (`tile_full_query`)
+    q_sums: list[jax.Array],  # ng x f32[Gp]
+    codes: jax.Array,  # f16[T, d]
+    scales: list[jax.Array],  # ng x f32[1, T], zero where the token is invalid
+    zeros: list[jax.Array],  # ng x f32[1, T], zero where the token is invalid
+) -> jax.Array:  # f32[Gp, T] = q . k_hat
+    """`tile_lowbit_logits` with one full-width dot per scale group (one in total for G = d)."""
+    out = None
+    for qg, qs, s, z in zip(q_groups, q_sums, scales, zeros):
+        term = s * _dot_nt(qg, codes) - (s * z) * qs[:, None]
+        out = term if out is None else out + term
+    return out
+
+
+def tile_lowbit_values_full(
+    p: jax.Array,  # f32[Gp, T] unnormalised probabilities, zero on invalid tokens
+    codes: jax.Array,  # f16[T, d]
+    scales: list[jax.Array],  # ng x f32[1, T]
+    zeros: list[jax.Array],  # ng x f32[1, T]
+    masks: list[jax.Array] | None,  # from `group_masks`
+) -> jax.Array:  # f32[Gp, d]
+    """`tile_lowbit_values` with one full-width dot per scale group; group ``g``'s dot is kept
+    on its own channels only."""
+    out = None
+    for g, (s, z) in enumerate(zip(scales, zeros)):
+        w = (p * s).astype(CODE_DOT_DTYPE)  # [Gp, T]
+        corr = jnp.sum(w.astype(jnp.float32) * z, axis=1)  # rounded weights, as the dot sees
+        up = _dot_nn(w, codes) - corr[:, None]
+        if masks is not None:
+            up = jnp.where(masks[g], up, 0.0)
+        out = up if out is None else out + up
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -499,20 +612,34 @@ def _split_table(
     return table.reshape(b, num_splits, per)
 
 
-def _merge_splits(
-    acc: jax.Array,  # f32[B, Hkv, S, Gp, d] unnormalised partial outputs (final frame)
+def _merge_partials(
+    acc: jax.Array,  # f32[B, Hkv, S, Gp, d] unnormalised partial outputs
     m: jax.Array,  # f32[B, Hkv, S, Gp] running max, base-2 units
     l: jax.Array,  # f32[B, Hkv, S, Gp] partial softmax denominators
-    group: int,
-) -> jax.Array:  # f32[B, Hkv * group, d]
+) -> jax.Array:  # f32[B, Hkv, Gp, d]
     """Flash-decoding log-sum-exp merge of the split partials."""
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_all)  # [B, K, S, Gp]; 0 for empty splits unless all are empty
     l_all = jnp.sum(w * l, axis=2)  # [B, K, Gp]
     o = jnp.sum(w[..., None] * acc, axis=2)  # [B, K, Gp, d]
-    o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # no key at all -> zeros
+    return o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # no key at all -> zeros
+
+
+def _ungroup(
+    o: jax.Array,  # f32[B, Hkv, Gp, d]
+    group: int,
+) -> jax.Array:  # f32[B, Hkv * group, d]
     b, k, _, d = o.shape
     return o[:, :, :group, :].reshape(b, k * group, d)
+
+
+def _merge_splits(
+    acc: jax.Array,  # f32[B, Hkv, S, Gp, d] unnormalised partial outputs (final frame)
+    m: jax.Array,  # f32[B, Hkv, S, Gp]
+    l: jax.Array,  # f32[B, Hkv, S, Gp]
+    group: int,
+) -> jax.Array:  # f32[B, Hkv * group, d]
+    return _ungroup(_merge_partials(acc, m, l), group)
 
 
 def _group_queries(q: jax.Array, hkv: int, pad_to: int) -> tuple[jax.Array, int]:
@@ -535,19 +662,19 @@ def _backend_module(backend: str):
 # ------------------------------------------------------------------------------------------
 # Public wrappers
 # ------------------------------------------------------------------------------------------
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "bits",
-        "sm_scale",
-        "num_splits",
-        "pages_per_block",
-        "backend",
-        "interpret",
-        "num_warps",
-        "num_stages",
-    ),
+_LOWBIT_STATIC = (
+    "bits",
+    "sm_scale",
+    "num_splits",
+    "pages_per_block",
+    "backend",
+    "interpret",
+    "num_warps",
+    "num_stages",
 )
+
+
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC)
 def decode_attention(
     q: jax.Array,  # bf16|f32[B, Hq, d] one query per sequence, original frame
     k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d] full-precision pages (transformed frame)
@@ -577,9 +704,10 @@ def decode_attention(
     """Decode attention over a paged cache of full-precision and packed low-bit pages.
 
     Query head ``j`` reads KV head ``j // (Hq // Hkv)``; each KV head is read once for its
-    whole query group. The query is moved into the transformed frame inside the kernel, and
-    ``value_inverse`` is applied to each split's partial output inside the kernel (it is
-    linear, so this equals applying it to the merged output).
+    whole query group. The query transform and the value inverse are applied by Pallas
+    kernels: on the GPU by a prologue kernel (once per sequence and KV head, rather than once
+    per split program) and an epilogue kernel on the merged output (the inverse is linear, so
+    this equals applying it per split); the TPU body applies them inside the split kernel.
 
     Args:
       q, k_fp, ..., value_inverse: see the shape comments; unused table entries may point at
@@ -594,6 +722,70 @@ def decode_attention(
 
     Returns:
       float32 attention output in the original frame, ``[B, Hq, d]``.
+    """
+    return decode_attention_variant(
+        q,
+        k_fp,
+        v_fp,
+        fp_page_table,
+        fp_len,
+        k_codes,
+        v_codes,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        q_page_table,
+        q_len,
+        query_transform,
+        value_inverse,
+        bits=bits,
+        sm_scale=sm_scale,
+        num_splits=num_splits,
+        pages_per_block=pages_per_block,
+        backend=backend,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("unpack", "int_to_float"))
+def decode_attention_variant(
+    q: jax.Array,  # bf16|f32[B, Hq, d]
+    k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
+    v_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
+    fp_page_table: jax.Array,  # i32[B, max_fp_pages]
+    fp_len: jax.Array,  # i32[B]
+    k_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
+    v_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
+    k_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    k_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    v_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    v_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    q_page_table: jax.Array,  # i32[B, max_q_pages]
+    q_len: jax.Array,  # i32[B]
+    query_transform: jax.Array | None = None,  # f32[Hkv, d, d]
+    value_inverse: jax.Array | None = None,  # f32[Hkv, d, d]
+    *,
+    bits: int,
+    sm_scale: float,
+    num_splits: int | None = None,
+    pages_per_block: int = 8,
+    backend: str = "gpu",
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    unpack: str | None = None,
+    int_to_float: str | None = None,
+) -> jax.Array:  # f32[B, Hq, d]
+    """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
+
+    Args:
+      unpack, int_to_float: see `DecodeConfig`; ``None`` takes the backend's defaults
+        (``DEFAULT_UNPACK`` / ``DEFAULT_INT_TO_FLOAT`` of the backend module). The TPU body
+        supports ``unpack="planes"`` only.
+      Others: as in `decode_attention`.
     """
     dims = _validate(
         q,
@@ -615,30 +807,43 @@ def decode_attention(
     )
     _check_kernel_shapes(dims, bits, pages_per_block, backend)
     mod = _backend_module(backend)
+    unpack = mod.DEFAULT_UNPACK if unpack is None else unpack
+    int_to_float = mod.DEFAULT_INT_TO_FLOAT if int_to_float is None else int_to_float
+    if unpack not in mod.UNPACK_MODES:
+        raise ValueError(f"unpack={unpack!r} must be one of {mod.UNPACK_MODES} for {backend=}")
+    if int_to_float not in INT_TO_FLOAT:
+        raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
     unit = pages_per_block if backend == "gpu" else 1
     if num_splits is None:
         num_splits = _auto_splits(dims["b"], dims["hkv"], q_page_table.shape[1], pages_per_block)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     qg, g = _group_queries(q, dims["hkv"], mod.MIN_GROUP_PAD)
+    hoist = mod.HOISTS_TRANSFORMS
     cfg = DecodeConfig(
         head_dim=dims["d"],
         page_size=dims["page"],
         group_pad=qg.shape[2],
-        n_chunks=layout.codes_per_byte(bits),
+        n_chunks=1 if unpack == "full" else layout.codes_per_byte(bits),
         bits=bits,
         group_size=dims["group_size"],
         scale_log2=float(sm_scale) * LOG2E,
         pages_per_block=unit,
-        has_query_transform=query_transform is not None,
-        has_value_inverse=value_inverse is not None,
+        has_query_transform=query_transform is not None and not hoist,
+        has_value_inverse=value_inverse is not None and not hoist,
+        unpack=unpack,
+        int_to_float=int_to_float,
     )
     f32 = jnp.float32
+    qt = None if query_transform is None else query_transform.astype(f32)
+    vi = None if value_inverse is None else value_inverse.astype(f32)
+    if hoist and qt is not None:
+        qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
     acc, m, l = mod.paged_decode(
         cfg,
         qg,
-        None if query_transform is None else query_transform.astype(f32),
-        None if value_inverse is None else value_inverse.astype(f32),
+        None if hoist else qt,
+        None if hoist else vi,
         (k_fp, v_fp, _split_table(fp_page_table, num_splits, unit), fp_len),
         (
             k_codes,
@@ -654,7 +859,10 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return _merge_splits(acc, m, l, g)
+    o = _merge_partials(acc, m, l)  # [B, Hkv, Gp, d]
+    if hoist and vi is not None:
+        o = mod.head_matmul(o, vi, interpret=interpret)  # back to the original frame
+    return _ungroup(o, g)
 
 
 @functools.partial(

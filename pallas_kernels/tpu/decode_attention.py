@@ -21,6 +21,11 @@ from pallas_kernels import decode_attention as da
 
 # A query group is padded to whole sublanes (8 rows of f32).
 MIN_GROUP_PAD = 8
+# The Mosaic body applies the transforms per split program and dots one code plane at a time.
+HOISTS_TRANSFORMS = False
+UNPACK_MODES = ("planes",)
+DEFAULT_UNPACK = "planes"
+DEFAULT_INT_TO_FLOAT = "convert"
 
 
 def _kernel(
@@ -105,12 +110,12 @@ def _kernel(
                 x = ref[...].astype(jnp.float32).T  # [ng, page]
                 return [jnp.where(vrow, x[g : g + 1, :], 0.0) for g in range(ng)]
 
-            kplanes = da.unpack_tile_planes(kc_ref[...], cfg.bits)
+            kplanes = da.unpack_tile_planes(kc_ref[...], cfg.bits, cfg.int_to_float)
             logits = da.tile_lowbit_logits(q16, q_sums, kplanes, meta(ks_ref), meta(kz_ref), pg)
             p, m_new, alpha, l_new = da.tile_softmax_step(
                 logits * cfg.scale_log2, vrow, m_sc[...], l_sc[...]
             )
-            vplanes = da.unpack_tile_planes(vc_ref[...], cfg.bits)
+            vplanes = da.unpack_tile_planes(vc_ref[...], cfg.bits, cfg.int_to_float)
             ups = da.tile_lowbit_values(p, vplanes, meta(vs_ref), meta(vz_ref), pg)
             update(p, alpha, ups, m_new, l_new)
 
