@@ -49,6 +49,8 @@ class BenchConfig:
       num_splits, pages_per_block, num_warps, num_stages: kernel tuning (None = defaults).
       out: JSON path; a markdown table is written beside it (.md).
       tune: run the low-bit attribution/tuning sweep (`tune_lowbit`) instead of the table.
+      lowbit_variants: extra low-bit rows (names in `LOWBIT_VARIANTS`) timed at every point,
+        to attribute time to stages of the kernel.
     """
 
     points: tuple[tuple[int, int], ...] = DEFAULT_POINTS
@@ -76,6 +78,7 @@ class BenchConfig:
     num_stages: int | None = None
     out: str = "results/bench_decode.json"
     tune: bool = False
+    lowbit_variants: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------
@@ -90,6 +93,45 @@ def _time_jax(fn: Callable[[], jax.Array], cfg: BenchConfig) -> float:
             r = fn()
         jax.block_until_ready(r)
         times.append((time.perf_counter() - t0) / cfg.calls_per_repeat)
+    return statistics.median(times)
+
+
+# L2 of the H200 is 60 MB: a cache smaller than a few times that would be timed from L2 if the
+# same buffers were read call after call, so the unrolled timer rotates among copies.
+_L2_BYTES = 60 << 20
+_MAX_COPIES = 6
+
+
+def copies_for(nbytes: int) -> int:
+    """Independent input copies to rotate so one round of calls reads >= 3x the L2."""
+    return int(min(_MAX_COPIES, max(1, -(-3 * _L2_BYTES // max(1, nbytes)))))
+
+
+def _time_unrolled(
+    call: Callable[[dict, jax.Array], jax.Array],
+    caches: list[dict],
+    queries: list[jax.Array],
+    cfg: BenchConfig,
+) -> float:
+    """Median seconds per call of ``call(cache, q)``, timed as ``len(queries)`` calls unrolled
+    inside ONE jit (host dispatch paid once per batch, not once per call).
+
+    Call ``i`` reads ``caches[i % len(caches)]`` with its own query, so no two calls are the
+    same computation (XLA would merge them) and rotating copies keeps small caches out of L2.
+    """
+    n = len(queries)
+
+    @jax.jit
+    def many(caches, queries):
+        return tuple(call(caches[i % len(caches)], queries[i]) for i in range(n))
+
+    jax.block_until_ready(many(caches, queries))  # compile + warm up
+    jax.block_until_ready(many(caches, queries))
+    times = []
+    for _ in range(cfg.repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(caches, queries))
+        times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
 
 
@@ -161,9 +203,75 @@ def _dense_attention(q, k, v, sm_scale):
     return o.reshape(b, hq, d)
 
 
+# name -> (bits, kernel options, input overrides): attribution rows of the low-bit kernel.
+LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
+    "int2_pallas": (2, {}, {}),
+    "int4_pallas": (4, {}, {}),
+    # Inner-loop strategies (`DecodeConfig.unpack` / `int_to_float`); the default is
+    # full + exponent on the GPU.
+    "int2_planes_convert": (2, dict(unpack="planes", int_to_float="convert"), {}),
+    "int2_planes_exponent": (2, dict(unpack="planes", int_to_float="exponent"), {}),
+    "int2_full_convert": (2, dict(unpack="full", int_to_float="convert"), {}),
+    "int4_full_convert": (4, dict(unpack="full", int_to_float="convert"), {}),
+    # Stages left out.
+    "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
+    "int2_fp_segment_only": (2, {}, dict(q_len=0)),
+    # Launch shape.
+    "int2_ppb16": (2, dict(pages_per_block=16), {}),
+    "int2_ppb4": (2, dict(pages_per_block=4), {}),
+    "int2_warps8": (2, dict(num_warps=8), {}),
+    "int2_stages3": (2, dict(num_stages=3), {}),
+    "int2_splits_x2": (2, dict(splits_factor=2), {}),
+    "int2_splits_half": (2, dict(splits_factor=0.5), {}),
+}
+
+
+def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) -> None:
+    bits, opts, override = LOWBIT_VARIANTS[name]
+    opts = dict(opts)
+    sm = cfg.head_dim**-0.5
+    nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
+    kw = dict(
+        num_splits=cfg.num_splits,
+        pages_per_block=cfg.pages_per_block,
+        backend=cfg.backend,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    factor = opts.pop("splits_factor", None)
+    kw.update(opts)
+    if factor is not None:
+        kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, kw["pages_per_block"])))
+    caches = []
+    for r in range(copies_for(nbytes)):
+        x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r))
+        x.pop("q")
+        for k, v in override.items():
+            x[k] = jnp.zeros((batch,), jnp.int32) if k == "q_len" else v
+        caches.append(x)
+    qs = _queries(cfg, batch, key)
+
+    def call(x, q):
+        return da.decode_attention_variant(q=q, **x, bits=bits, sm_scale=sm, **kw)
+
+    record(
+        name,
+        lambda: _time_unrolled(call, caches, qs, cfg),
+        nbytes,
+        fp_tokens=n_fp,
+        lowbit_tokens=n_q,
+        options={k: v for k, v in kw.items() if v is not None and k != "backend"},
+    )
+
+
+def _queries(cfg: BenchConfig, batch: int, key) -> list[jax.Array]:
+    ks = jax.random.split(jax.random.fold_in(key, 99), cfg.calls_per_repeat)
+    return [jax.random.normal(k, (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16) for k in ks]
+
+
 def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[dict]:
     """Times every variant at one (batch, context) point; returns one row per variant."""
-    d, hkv, hq, page = cfg.head_dim, cfg.kv_heads, cfg.q_heads, cfg.page_size
+    d, hkv, page = cfg.head_dim, cfg.kv_heads, cfg.page_size
     sm = d**-0.5
     rows = []
     tune = dict(
@@ -176,10 +284,10 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
     key = jax.random.key(batch * 1_000_003 + ctx)
     bf16_bytes = batch * ctx * hkv * d * 2 * 2
 
-    def record(name, fn, nbytes, **extra):
+    def record(name, timer, nbytes, **extra):
         row = dict(variant=name, batch=batch, context=ctx, bytes_read=int(nbytes), **extra)
         try:
-            t = _time_jax(fn, cfg) if not name.startswith("torch") else fn()
+            t = timer()
             row.update(
                 time_ms=t * 1e3,
                 bandwidth_GBps=nbytes / t / 1e9,
@@ -190,49 +298,59 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    for bits in (2, 4):
-        name = f"int{bits}_pallas"
-        if name not in cfg.variants:
-            continue
-        x = _make_lowbit_inputs(cfg, batch, ctx, bits, key)
-        nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
-        f = jax.jit(lambda x, bits=bits: da.decode_attention(**x, bits=bits, sm_scale=sm, **tune))
-        record(name, lambda f=f, x=x: f(x), nbytes, fp_tokens=n_fp, lowbit_tokens=n_q)
-        del x
+    lowbit = [v for v in ("int2_pallas", "int4_pallas") if v in cfg.variants]
+    for name in lowbit + [v for v in cfg.lowbit_variants if v not in lowbit]:
+        _lowbit_row(cfg, batch, ctx, name, key, record)
 
     need_dense = {"bf16_pallas", "xla_dense_bf16", "cudnn_bf16"} & set(cfg.variants)
     if need_dense:
         ks = jax.random.split(key, 3)
-        q = jax.random.normal(ks[0], (batch, hq, d), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (batch, ctx, hkv, d), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (batch, ctx, hkv, d), jnp.bfloat16)
+        qs = _queries(cfg, batch, key)
+        n_copies = copies_for(bf16_bytes)
+        dense = [
+            dict(
+                k=jax.random.normal(
+                    jax.random.fold_in(ks[1], r), (batch, ctx, hkv, d), jnp.bfloat16
+                ),
+                v=jax.random.normal(
+                    jax.random.fold_in(ks[2], r), (batch, ctx, hkv, d), jnp.bfloat16
+                ),
+            )
+            for r in range(n_copies)
+        ]
         if "bf16_pallas" in cfg.variants:
             npg = _pages(ctx, page)
-            # Pages viewed from the dense cache: [B*S/page, Hkv, page, d].
-            kp = k.reshape(batch, npg, page, hkv, d).transpose(0, 1, 3, 2, 4)
-            kp = kp.reshape(batch * npg, hkv, page, d)
-            vp = v.reshape(batch, npg, page, hkv, d).transpose(0, 1, 3, 2, 4)
-            vp = vp.reshape(batch * npg, hkv, page, d)
             tab = jnp.arange(batch * npg, dtype=jnp.int32).reshape(batch, npg)
             lens = jnp.full((batch,), ctx, jnp.int32)
-            f = jax.jit(
-                lambda q, kp, vp, tab, lens: da.decode_attention_bf16(
-                    q, kp, vp, tab, lens, sm_scale=sm, **tune
-                )
-            )
-            record("bf16_pallas", lambda: f(q, kp, vp, tab, lens), bf16_bytes)
-            del kp, vp
+
+            def to_pages(a):  # dense [B, S, Hkv, d] -> pages [B*S/page, Hkv, page, d]
+                a = a.reshape(batch, npg, page, hkv, d).transpose(0, 1, 3, 2, 4)
+                return a.reshape(batch * npg, hkv, page, d)
+
+            paged = [dict(k=to_pages(c["k"]), v=to_pages(c["v"])) for c in dense]
+
+            def call_pallas(c, q):
+                return da.decode_attention_bf16(q, c["k"], c["v"], tab, lens, sm_scale=sm, **tune)
+
+            record("bf16_pallas", lambda: _time_unrolled(call_pallas, paged, qs, cfg), bf16_bytes)
+            del paged
         if "xla_dense_bf16" in cfg.variants:
-            f = jax.jit(lambda q, k, v: _dense_attention(q, k, v, sm))
-            record("xla_dense_bf16", lambda: f(q, k, v), bf16_bytes)
-        if "cudnn_bf16" in cfg.variants and cfg.backend == "gpu":
-            f = jax.jit(
-                lambda q, k, v: jax.nn.dot_product_attention(
-                    q[:, None], k, v, scale=sm, implementation="cudnn"
-                )
+            record(
+                "xla_dense_bf16",
+                lambda: _time_unrolled(
+                    lambda c, q: _dense_attention(q, c["k"], c["v"], sm), dense, qs, cfg
+                ),
+                bf16_bytes,
             )
-            record("cudnn_bf16", lambda: f(q, k, v), bf16_bytes)
-        del q, k, v
+        if "cudnn_bf16" in cfg.variants and cfg.backend == "gpu":
+
+            def call_cudnn(c, q):
+                return jax.nn.dot_product_attention(
+                    q[:, None], c["k"], c["v"], scale=sm, implementation="cudnn"
+                )
+
+            record("cudnn_bf16", lambda: _time_unrolled(call_cudnn, dense, qs, cfg), bf16_bytes)
+        del dense
 
     if "torch_sdpa_bf16" in cfg.variants and cfg.backend == "gpu":
         record("torch_sdpa_bf16", lambda: _time_torch_sdpa(cfg, batch, ctx), bf16_bytes)
@@ -240,57 +358,73 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
 
 
 def _time_torch_sdpa(cfg: BenchConfig, batch: int, ctx: int) -> float:
+    """Median seconds per SDPA call: ``calls_per_repeat`` calls (own queries) captured in one
+    CUDA graph and timed with CUDA events, so host launch cost is excluded as for the JAX rows.
+    """
     import torch  # optional outside reference
     import torch.nn.functional as F
 
     if not torch.cuda.is_available():
         raise RuntimeError("torch has no CUDA device")
     dev, bf = "cuda", torch.bfloat16
-    q = torch.randn(batch, cfg.q_heads, 1, cfg.head_dim, device=dev, dtype=bf)
+    n = cfg.calls_per_repeat
+    qs = [torch.randn(batch, cfg.q_heads, 1, cfg.head_dim, device=dev, dtype=bf) for _ in range(n)]
     k = torch.randn(batch, cfg.kv_heads, ctx, cfg.head_dim, device=dev, dtype=bf)
     v = torch.randn_like(k)
 
-    def call():
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    def calls():
+        return [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for q in qs]
 
-    for _ in range(3):
-        call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            calls()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = calls()
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(cfg.repeats):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        for _ in range(cfg.calls_per_repeat):
-            call()
+        graph.replay()
         e1.record()
         torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / cfg.calls_per_repeat)
+        times.append(e0.elapsed_time(e1) / 1e3 / n)
+    del outs, graph
     torch.cuda.empty_cache()
     return statistics.median(times)
 
 
 def quantize_pack_step_cost(cfg: BenchConfig, batch: int) -> dict:
-    """Seconds per decode step spent quantizing one new token per sequence (K and V, all
-    layers), timed with one layer's call times ``2 * layers``."""
+    """Per decode step cost of quantizing one new token per sequence (K and V, all layers):
+    one layer's call time (``[batch, Hkv, d]``) times ``2 * layers``, for the Pallas kernel
+    and for the XLA-fused pure-jnp reference (`ref_quantize_pack` under jit)."""
     try:
         from pallas_kernels import quantize_pack as qp
     except ImportError as e:
         return dict(batch=batch, error=f"quantize_pack unavailable: {e}")
-    key = jax.random.key(7)
-    x = jax.random.normal(key, (batch, cfg.kv_heads, cfg.head_dim), jnp.bfloat16)
     d = cfg.head_dim
-    a = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), (cfg.kv_heads, d, d))
+    a = jnp.linalg.qr(jax.random.normal(jax.random.key(3), (cfg.kv_heads, d, d)))[0]
+    keys = jax.random.split(jax.random.key(7), cfg.calls_per_repeat)
+    xs = [jax.random.normal(k, (batch, cfg.kv_heads, d), jnp.bfloat16) for k in keys]
     out = dict(batch=batch, layers=cfg.layers)
-    for bits in (2, 4):
-        try:
-            f = jax.jit(
-                lambda x, a, bits=bits: qp.quantize_pack(x, a, bits=bits, backend=cfg.backend)
-            )
-            t = _time_jax(lambda f=f: f(x, a), cfg)
-            out[f"int{bits}_per_call_ms"] = t * 1e3
-            out[f"int{bits}_per_step_ms"] = t * 1e3 * 2 * cfg.layers
-        except Exception as e:
-            out[f"int{bits}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    impls = {
+        "kernel": lambda x, bits: qp.quantize_pack(x, a, 0.95, bits=bits, backend=cfg.backend),
+        "xla_ref": lambda x, bits: qp.ref_quantize_pack(x, a, 0.95, bits=bits),
+    }
+    for impl, fn in impls.items():
+        for bits in (2, 4):
+            tag = f"{impl}_int{bits}"
+            try:
+                t = _time_unrolled(lambda c, x, fn=fn, bits=bits: fn(x, bits), [{}], xs, cfg)
+                out[f"{tag}_per_call_ms"] = t * 1e3
+                out[f"{tag}_per_step_ms"] = t * 1e3 * 2 * cfg.layers
+            except Exception as e:
+                out[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(out), flush=True)
     return out
 
@@ -406,15 +540,18 @@ def markdown_table(result: dict) -> str:
     if result.get("quantize_pack"):
         lines += [
             "",
-            "| batch | quantize_pack per decode step, int2 (ms) | int4 (ms) |",
-            "|---:|---:|---:|",
+            "quantize_pack per decode step (one token per sequence, K and V, "
+            f"{result['config']['layers']} layers; per call in brackets), ms:",
+            "",
+            "| batch | kernel int2 | kernel int4 | XLA ref int2 | XLA ref int4 |",
+            "|---:|---:|---:|---:|---:|",
         ]
         for q in result["quantize_pack"]:
-            a, b = q.get("int2_per_step_ms"), q.get("int4_per_step_ms")
-            lines.append(
-                f"| {q['batch']} | {'-' if a is None else f'{a:.4f}'} | "
-                f"{'-' if b is None else f'{b:.4f}'} |"
-            )
+            cells = []
+            for tag in ("kernel_int2", "kernel_int4", "xla_ref_int2", "xla_ref_int4"):
+                a, c = q.get(f"{tag}_per_step_ms"), q.get(f"{tag}_per_call_ms")
+                cells.append("-" if a is None else f"{a:.3f} ({c * 1e3:.1f} us)")
+            lines.append(f"| {q['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -489,6 +626,11 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="results/bench_decode.json")
     p.add_argument("--tune", action="store_true", help="low-bit attribution/tuning sweep")
+    p.add_argument(
+        "--lowbit-variants",
+        default="",
+        help="comma-separated extra low-bit rows from LOWBIT_VARIANTS, or 'all'",
+    )
     a = p.parse_args()
     c = BenchConfig(
         points=a.points,
@@ -500,6 +642,9 @@ if __name__ == "__main__":
         repeats=a.repeats,
         out=a.out,
         tune=a.tune,
+        lowbit_variants=tuple(LOWBIT_VARIANTS)
+        if a.lowbit_variants == "all"
+        else tuple(v for v in a.lowbit_variants.split(",") if v),
     )
     if a.variants:
         c = dataclasses.replace(c, variants=tuple(a.variants.split(",")))

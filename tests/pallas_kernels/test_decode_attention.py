@@ -273,6 +273,30 @@ class TestDecodeAttention:
         ]
         np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), atol=1e-4)
 
+    @pytest.mark.parametrize(
+        "unpack,int_to_float",
+        [("planes", "convert"), ("planes", "exponent"), ("full", "convert"), ("full", "exponent")],
+    )
+    def test_inner_loop_variants_match_reference(self, unpack: str, int_to_float: str):
+        if self.BACKEND == "tpu" and unpack == "full":
+            pytest.skip("the Mosaic body dots one code plane at a time")
+        # Two scale groups, so the full-width path's per-group masking is exercised too.
+        c = Case(head_dim=128, group_size=64, fp_lens=(20, 5), q_lens=(64, 32))
+        x = make_inputs(c, seed=2)
+        kw = dict(bits=c.bits, sm_scale=c.head_dim**-0.5)
+        ref = da.ref_decode_attention(**x, **kw)
+        out = da.decode_attention_variant(
+            **x,
+            **kw,
+            num_splits=2,
+            pages_per_block=2,
+            backend=self.BACKEND,
+            interpret=self.INTERPRET,
+            unpack=unpack,
+            int_to_float=int_to_float,
+        )
+        assert _rel_err(out, ref) < TOL[c.fp_dtype]
+
 
 class TestDecodeAttentionInterpret(TestDecodeAttention):
     INTERPRET = True
@@ -351,6 +375,31 @@ def test_quantized_attention_error_budget(bits: int):
     assert err > 1e-3  # the low-bit pages were really used
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("int_to_float", ["convert", "exponent"])
+def test_unpack_tile_full_is_channel_order(bits: int, int_to_float: str):
+    d, t = 128, 32
+    rng = np.random.default_rng(bits)
+    codes = jnp.asarray(rng.integers(0, 2**bits, (t, d)), jnp.uint8)
+    packed = layout.pack_codes(codes, bits)
+    got = da.unpack_tile_full(packed, bits, int_to_float)
+    assert got.dtype == da.CODE_DOT_DTYPE and got.shape == (t, d)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(codes, np.float32))
+    planes = da.unpack_tile_planes(packed, bits, int_to_float)
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(p, np.float32) for p in planes], axis=1),
+        np.asarray(codes, np.float32),
+    )
+
+
+def test_exponent_trick_is_exact_for_every_code():
+    codes = jnp.arange(1024, dtype=jnp.int32)
+    got = da.codes_to_f16(codes, "exponent")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.arange(1024, dtype=np.float32))
+    with pytest.raises(ValueError, match="int_to_float"):
+        da.codes_to_f16(codes, "lut")
+
+
 def test_validation_names_bad_shapes():
     x = make_inputs(Case())
     bad = dict(x, k_codes=x["k_codes"][..., :-1])
@@ -360,5 +409,9 @@ def test_validation_names_bad_shapes():
         da.decode_attention(**make_inputs(Case(bits=3)), bits=3, sm_scale=0.1, interpret=True)
     with pytest.raises(ValueError, match="backend"):
         da.decode_attention(**x, bits=2, sm_scale=0.1, backend="cpu", interpret=True)
+    with pytest.raises(ValueError, match="unpack='full'"):
+        da.decode_attention_variant(
+            **x, bits=2, sm_scale=0.1, backend="tpu", interpret=True, unpack="full"
+        )
     with pytest.raises(ValueError, match="q_len.shape"):
         da.decode_attention(**dict(x, q_len=x["q_len"][:1]), bits=2, sm_scale=0.1)
