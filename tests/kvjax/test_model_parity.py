@@ -99,3 +99,35 @@ def test_decode_through_cache_matches(pair):
     got = np.concatenate(outs, axis=1)
     np.testing.assert_allclose(got, ref, atol=_tol(ref), rtol=0)
     assert np.asarray(cache.lengths).tolist() == [12, 12]
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    import json
+
+    from kvjax.config import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2' is not supported.*llama"):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from kvjax.model import MissingWeightsError
+
+    hf = make_hf_model(*CASES["llama_mha_hd64_bias"])
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, weights = load_hf_checkpoint(tmp_path)
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(MissingWeightsError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        Transformer.from_weights(cfg, weights)
+
+
+def test_truncated_safetensors_is_a_clear_error(tmp_path):
+    from kvjax.hf_loader import CheckpointError
+
+    hf = make_hf_model(*CASES["qwen2_gqa4_hd64"])
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    f = next(tmp_path.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_hf_checkpoint(tmp_path)
