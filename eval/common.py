@@ -135,13 +135,17 @@ def low_bit_mask(
     positions: jax.Array,  # i32[B, T] query positions (a window starting at 0)
     cache_cfg: CacheConfig,
     chunk: int,
+    decode_from: int | None = None,
 ) -> jax.Array:  # bool[B, T, T]
     """True where query t reads key s from the low-bit segment under chunked feeding.
 
     A chunk starting at c sees the cache as stored after c tokens: `[sink, quant_end(c))` is
-    low-bit, everything else (sink, recent window, the chunk itself) full precision.
+    low-bit, everything else (sink, recent window, the chunk itself) full precision. Positions
+    from `decode_from` on are fed one token per call (greedy decoding after a prefill).
     """
     c0 = (positions // chunk) * chunk  # tokens stored before the chunk holding t
+    if decode_from is not None:
+        c0 = jnp.where(positions >= decode_from, positions, jnp.minimum(c0, decode_from))
     over = c0 - cache_cfg.sink - cache_cfg.keep
     q_end = jnp.where(
         over < 0, cache_cfg.sink, cache_cfg.sink + (over // cache_cfg.flush) * cache_cfg.flush
@@ -163,6 +167,7 @@ class WindowedQuantCache:
     cfg: CacheConfig = flax.struct.field(pytree_node=False)
     chunk: int = flax.struct.field(pytree_node=False)
     sm_scale: float = flax.struct.field(pytree_node=False)
+    decode_from: int | None = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -172,6 +177,7 @@ class WindowedQuantCache:
         transforms: KVTransforms,
         batch_size: int,
         chunk: int,
+        decode_from: int | None = None,
     ) -> WindowedQuantCache:
         if chunk < 1:
             raise ValueError(f"chunk={chunk} must be >= 1")
@@ -182,6 +188,7 @@ class WindowedQuantCache:
             cfg=cache_cfg,
             chunk=chunk,
             sm_scale=model_cfg.head_dim**-0.5,
+            decode_from=decode_from,
         )
 
     def attend(
@@ -202,7 +209,9 @@ class WindowedQuantCache:
         k_lo = _roundtrip_stored(k_t, cfg.quant, tf.clip_k[layer])
         v_lo = _roundtrip_stored(v_t, cfg.value_quant, tf.clip_v[layer])
 
-        low = low_bit_mask(positions, cfg, self.chunk)[:, None, None]  # [B, 1, 1, T, S]
+        low = low_bit_mask(positions, cfg, self.chunk, self.decode_from)[
+            :, None, None
+        ]  # [B, 1, 1, T, S]
         causal = positions[:, None, None, None, :] <= positions[:, None, None, :, None]
         s_fp = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_t)  # [B, K, G, T, S]
         s_lo = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_lo)
@@ -244,7 +253,7 @@ class TokenScorer:
         def full(params, tokens, targets, cache):
             m = nnx.merge(self.graphdef, params)
             logits, _ = m(tokens, cache)
-            return _target_logprobs(logits, targets)
+            return _target_logprobs(logits, targets), jnp.argmax(logits, -1).astype(jnp.int32)
 
         def step(params, tokens, targets, cache):
             m = nnx.merge(self.graphdef, params)
@@ -260,19 +269,24 @@ class TokenScorer:
         cache_cfg: CacheConfig | None,
         transforms: KVTransforms | None,
         chunk: int,
-    ) -> np.ndarray:  # f32[B, T-1]
+        decode_from: int | None = None,
+        return_argmax: bool = False,
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:  # f32[B, T-1] (, i32[B, T-1])
         """log p(w[t+1] | w[:t+1]) with the chunked cache simulated in one forward.
 
         cache_cfg None (or transforms None) is the plain full-precision forward, no cache.
+        Positions from `decode_from` on are treated as single-token decode steps. With
+        `return_argmax`, also returns the greedy next token at every position.
         """
         tokens = jnp.asarray(windows[:, :-1], jnp.int32)
         targets = jnp.asarray(windows[:, 1:], jnp.int32)
         cache = None
         if cache_cfg is not None and transforms is not None:
             cache = WindowedQuantCache.create(
-                self.model.cfg, cache_cfg, transforms, windows.shape[0], chunk
+                self.model.cfg, cache_cfg, transforms, windows.shape[0], chunk, decode_from
             )
-        return np.asarray(self._full(self.params, tokens, targets, cache))
+        lp, top = self._full(self.params, tokens, targets, cache)
+        return (np.asarray(lp), np.asarray(top)) if return_argmax else np.asarray(lp)
 
     def chunked(
         self,
@@ -280,8 +294,10 @@ class TokenScorer:
         cache_cfg: CacheConfig,
         transforms: KVTransforms,
         chunk: int,
+        decode_from: int | None = None,
     ) -> np.ndarray:  # f32[B, T-1]
-        """The same log-likelihoods fed `chunk` tokens per call through the real paged cache."""
+        """The same log-likelihoods fed `chunk` tokens per call through the real paged cache
+        (one token per call from `decode_from` on, as greedy decoding after a prefill)."""
         b, t = windows.shape
         ccfg = dataclasses.replace(cache_cfg, max_seq_len=max(cache_cfg.max_seq_len, t))
         # The step donates the cache, transforms included: give it private copies so the
@@ -290,14 +306,14 @@ class TokenScorer:
         cache = PagedKVCache.create(self.model.cfg, ccfg, own, b, max_new_tokens=chunk)
         mgr = PageManager(cache)
         tokens, targets = windows[:, :-1], windows[:, 1:]
+        stop = t - 1 if decode_from is None else min(decode_from, t - 1)
+        bounds = [(i, min(i + chunk, stop)) for i in range(0, stop, chunk)]
+        bounds += [(i, i + 1) for i in range(stop, t - 1)]
         out = []
-        for i in range(0, t - 1, chunk):
-            cache = mgr.prepare(cache, tokens[:, i : i + chunk].shape[1])
+        for i, j in bounds:
+            cache = mgr.prepare(cache, j - i)
             lp, cache = self._step(
-                self.params,
-                jnp.asarray(tokens[:, i : i + chunk]),
-                jnp.asarray(targets[:, i : i + chunk]),
-                cache,
+                self.params, jnp.asarray(tokens[:, i:j]), jnp.asarray(targets[:, i:j]), cache
             )
             out.append(np.asarray(lp))
         return np.concatenate(out, axis=1)

@@ -1,0 +1,244 @@
+"""Per-layer attention error of each calibrated transform at low bits, vs full precision.
+
+    python -m eval.attention_error                          # shipped SmolLM2, 2 bits, oscar
+    python -m eval.attention_error --methods wush hadamard identity --windows 1 --seq-len 512
+
+On held-out evaluation windows (the tragedies; calibration never saw them) the post-RoPE q, k, v
+of every layer are captured at full precision; then, per transform, the whole K and V sequences
+are quantized (no full-precision windows, which isolates the transform, as WUSH-KV section 5.1
+does) with the clips calibrated for that bit width, and per layer we report the relative squared
+error of the q.k logits, of the softmax probabilities and of the attention module output (after
+o_proj), and the mean KL(p || p_hat) of the attention distributions per query.
+
+Writes <out>/attention_error.json (rows: transform, quantizer, bits, windows, layer, metric,
+value), <out>/attention_error.md (per-layer means and the module-output error per layer) and
+<out>/attention_error.png (module-output error per layer, one line per transform).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from calib import errors
+from calib.calibrate import capture_activations
+from eval import common
+from kvjax.loading import LoadedModel, load_model
+from kvjax.quantizers import QuantConfig
+
+METRICS = ("logit_rel_err", "softmax_rel_err", "output_rel_err", "kl")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionErrorConfig:
+    model: str | None = None
+    calib_dir: str = "runs/calib"
+    methods: tuple[str, ...] = common.ALL_METHODS
+    bits: int = 2
+    quantizer: str = "oscar"
+    seq_len: int = 1024
+    num_windows: int = 2
+    out: str = "results"
+    plot: bool = True
+
+    def __post_init__(self):
+        common.check_methods(self.methods)
+        if self.bits not in (2, 3, 4):
+            raise ValueError(f"bits={self.bits}; supported 2, 3, 4")
+        if self.quantizer not in ("oscar", "quest", "minmax"):
+            raise ValueError(f"quantizer={self.quantizer!r}; use oscar, quest or minmax")
+        if self.seq_len < 2 or self.num_windows < 1:
+            raise ValueError(
+                f"seq_len={self.seq_len} must be >= 2 and num_windows={self.num_windows} >= 1"
+            )
+
+
+def _o_proj_heads(lm: LoadedModel, layer: int) -> jax.Array:  # f32[Hkv, G, d, D]
+    # flax kernel is [Hq*d, D] (y = x @ kernel); errors.w_o_heads takes the torch layout.
+    w = lm.model.layers[layer].self_attn.o_proj.kernel[...].T.astype(jnp.float32)
+    return errors.w_o_heads(w, lm.cfg.num_kv_heads, lm.cfg.head_dim)
+
+
+def layer_errors(
+    acts: list[tuple[np.ndarray, ...]],  # per layer (q, k, v) f32[B, T, H, d]
+    lm: LoadedModel,
+    transforms,  # KVTransforms
+    qc: QuantConfig,
+) -> dict[str, np.ndarray]:  # metric -> f32[L]
+    """The four per-layer error metrics of one transform with both K and V quantized."""
+    sm_scale = lm.cfg.head_dim**-0.5
+
+    @jax.jit
+    def one(q, k, v, a_k, b_k, a_v, b_v, ck, cv, w_o_h):
+        k_hat = errors.roundtrip(k, a_k, b_k, qc, ck)
+        v_hat = errors.roundtrip(v, a_v, b_v, qc, cv)
+        e = errors.attention_errors(q, k, v, k_hat, v_hat, w_o_h, sm_scale)
+        return jnp.stack(
+            [
+                e["logit_err"] / e["logit_ref"],
+                e["prob_err"] / e["prob_ref"],
+                e["out_err"] / e["out_ref"],
+                e["kl_sum"] / e["kl_count"],
+            ]
+        )
+
+    out = []
+    for i, (q, k, v) in enumerate(acts):
+        out.append(
+            np.asarray(
+                one(
+                    q,
+                    k,
+                    v,
+                    transforms.a_k[i],
+                    transforms.b_k[i],
+                    transforms.a_v[i],
+                    transforms.b_v[i],
+                    transforms.clip_k[i],
+                    transforms.clip_v[i],
+                    _o_proj_heads(lm, i),
+                )
+            )
+        )
+    arr = np.stack(out)  # [L, 4]
+    return {m: arr[:, j] for j, m in enumerate(METRICS)}
+
+
+def to_markdown(
+    per_method: dict[str, dict[str, np.ndarray]], cfg: AttentionErrorConfig, n_tokens: int
+) -> str:
+    lines = [
+        f"Attention error per layer at {cfg.bits} bits ({cfg.quantizer} quantizer, "
+        f"calibrated clips, whole K/V sequence quantized) on {cfg.num_windows} held-out "
+        f"evaluation windows of {cfg.seq_len} tokens ({n_tokens} tokens). Relative squared "
+        f"errors vs full precision; KL = mean KL(p || p_hat) per query and head.\n",
+        "Mean over layers:\n",
+    ]
+    rows = [[m] + [f"{float(np.mean(e[k])):.4g}" for k in METRICS] for m, e in per_method.items()]
+    lines.append(common.markdown_table(["transform", *METRICS], rows))
+    lines.append("\nModule-output relative error per layer:\n")
+    n_layers = len(next(iter(per_method.values()))["output_rel_err"])
+    rows = [
+        [str(i)] + [f"{e['output_rel_err'][i]:.4f}" for e in per_method.values()]
+        for i in range(n_layers)
+    ]
+    lines.append(common.markdown_table(["layer", *per_method], rows))
+    return "\n".join(lines)
+
+
+def plot(
+    per_method: dict[str, dict[str, np.ndarray]], cfg: AttentionErrorConfig, path: pathlib.Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for m, e in per_method.items():
+        y = e["output_rel_err"]
+        ax.plot(np.arange(len(y)), y, marker=".", label=m)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative squared error of attention output")
+    ax.set_title(f"Module-output error per layer, {cfg.bits}-bit K and V ({cfg.quantizer})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(cfg: AttentionErrorConfig, lm: LoadedModel | None = None) -> dict:
+    """Measures every method and writes attention_error.{json,md,png}; returns the payload."""
+    lm = lm or load_model(cfg.model)
+    t0 = time.perf_counter()
+    windows = common.evaluation_windows(lm.tokenizer, cfg.seq_len, cfg.num_windows)
+    acts = capture_activations(lm, windows)
+    qc = QuantConfig(method=cfg.quantizer, bits=cfg.bits)
+    per_method: dict[str, dict[str, np.ndarray]] = {}
+    rows = []
+    base = dict(
+        quantizer=cfg.quantizer,
+        bits=cfg.bits,
+        windows="none (whole sequence quantized)",
+        num_windows=cfg.num_windows,
+        seq_len=cfg.seq_len,
+    )
+    for method in cfg.methods:
+        tf = common.load_method(cfg.calib_dir, method, cfg.bits, lm.cfg, lm.fingerprint)
+        e = layer_errors(acts, lm, tf, qc)
+        per_method[method] = e
+        for metric in METRICS:
+            rows += [
+                dict(transform=method, layer=i, metric=metric, value=float(x), **base)
+                for i, x in enumerate(e[metric])
+            ]
+            rows.append(
+                dict(
+                    transform=method,
+                    layer="mean",
+                    metric=metric,
+                    value=float(np.mean(e[metric])),
+                    **base,
+                )
+            )
+        print(
+            f"{method:>18}: mean output error {np.mean(e['output_rel_err']):.4f}", file=sys.stderr
+        )
+    payload = dict(
+        eval="attention_error",
+        config=dataclasses.asdict(cfg),
+        model=common.model_info(lm),
+        environment=common.environment(),
+        seconds=time.perf_counter() - t0,
+        rows=rows,
+    )
+    common.write_results(
+        cfg.out, "attention_error", payload, to_markdown(per_method, cfg, int(windows.size))
+    )
+    if cfg.plot:
+        plot(per_method, cfg, pathlib.Path(cfg.out) / "attention_error.png")
+    return payload
+
+
+def parse_args(argv: Sequence[str] | None = None) -> AttentionErrorConfig:
+    d = AttentionErrorConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m eval.attention_error",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=None)
+    p.add_argument("--calib-dir", default=d.calib_dir)
+    p.add_argument("--methods", nargs="+", default=list(d.methods))
+    p.add_argument("--bits", type=int, default=d.bits)
+    p.add_argument("--quantizer", default=d.quantizer)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--windows", type=int, default=d.num_windows, dest="num_windows")
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    return AttentionErrorConfig(
+        model=a.model,
+        calib_dir=a.calib_dir,
+        methods=tuple(a.methods),
+        bits=a.bits,
+        quantizer=a.quantizer,
+        seq_len=a.seq_len,
+        num_windows=a.num_windows,
+        out=a.out,
+        plot=not a.no_plot,
+    )
+
+
+if __name__ == "__main__":
+    main(parse_args())

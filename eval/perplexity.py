@@ -1,0 +1,362 @@
+"""Perplexity of the evaluation plays with a low-bit KV cache (the WUSH-KV protocol).
+
+    python -m eval.perplexity --windows 2                  # full grid, shipped SmolLM2
+    python -m eval.perplexity --methods wush hadamard --bits 2 --quantizers oscar --windows 4
+
+Protocol: non-overlapping 2048-token windows of the evaluation plays (tragedies, never seen by
+calibration), each fed in 16-token chunks through the paged cache with full-precision windows
+sink/keep/flush = 16/128/16 (page size 16); perplexity = exp(mean NLL) over every predicted
+token. Grid: full precision, and every calibrated transform at 2, 3 and 4 bits with the oscar
+and quest quantizers (each bit width uses the clips calibrated for it), plus the serving
+defaults 64/256/16 at 2 bits.
+
+Engines: `simulated` (default) runs each window in one forward whose attention mask reproduces
+exactly what the chunked paged cache reads (`eval.common.WindowedQuantCache`, checked against the
+real cache in the tests and, with --crosscheck-tokens, on the real model); `paged` feeds the
+chunks through `kvjax.paged_cache` itself (about ten times slower on CPU).
+
+Writes <out>/perplexity.json (one row per setting: transform, quantizer, bits, windows, metric,
+value), <out>/perplexity.md, and <out>/perplexity.png (perplexity vs bits per transform).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from eval import common
+from kvjax.loading import LoadedModel, load_model
+from kvjax.paged_cache import CacheConfig
+from kvjax.quantizers import QuantConfig
+from kvjax.transforms import KVTransforms
+
+Windows = tuple[int, int, int]  # sink, keep, flush
+
+
+@dataclasses.dataclass(frozen=True)
+class PerplexityConfig:
+    model: str | None = None  # None = shipped SmolLM2-135M-Instruct
+    calib_dir: str = "runs/calib"  # output of python -m kvjax.calibrate
+    methods: tuple[str, ...] = common.ALL_METHODS
+    bits: tuple[int, ...] = (2, 3, 4)
+    quantizers: tuple[str, ...] = ("oscar", "quest")
+    seq_len: int = 2048
+    num_windows: int = 2
+    chunk: int = 16  # tokens per forward call
+    batch_size: int = 1  # windows per model call
+    protocol: Windows = (16, 128, 16)  # WUSH-KV perplexity windows
+    serving: Windows | None = (64, 256, 16)  # serving defaults, 2 bits, oscar quantizer
+    serving_bits: tuple[int, ...] = (2,)
+    page_size: int = 16
+    engine: str = "simulated"  # or "paged"
+    crosscheck_tokens: int = 0  # >0: also run wush@2 bits through the real paged cache
+    out: str = "results"
+    plot: bool = True
+
+    def __post_init__(self):
+        common.check_methods(self.methods)
+        for b in self.bits + self.serving_bits:
+            if b not in (2, 3, 4):
+                raise ValueError(f"bits={b}; supported 2, 3, 4")
+        for q in self.quantizers:
+            if q not in ("oscar", "quest", "minmax"):
+                raise ValueError(f"quantizer={q!r}; use oscar, quest or minmax")
+        if self.engine not in ("simulated", "paged"):
+            raise ValueError(f"engine={self.engine!r}; use 'simulated' or 'paged'")
+        if self.seq_len < 2 or self.num_windows < 1 or self.batch_size < 1 or self.chunk < 1:
+            raise ValueError(
+                f"seq_len={self.seq_len}, num_windows={self.num_windows}, "
+                f"batch_size={self.batch_size}, chunk={self.chunk} must be positive "
+                f"(seq_len >= 2)"
+            )
+
+
+def cache_config(
+    windows: Windows, page_size: int, quant: QuantConfig | None, seq_len: int
+) -> CacheConfig:
+    sink, keep, flush = windows
+    return CacheConfig(
+        sink=sink, keep=keep, flush=flush, page_size=page_size, quant=quant, max_seq_len=seq_len
+    )
+
+
+def window_name(windows: Windows) -> str:
+    return "/".join(str(x) for x in windows)
+
+
+def score(
+    scorer: common.TokenScorer,
+    windows: np.ndarray,  # i32[N, T]
+    cache_cfg: CacheConfig | None,
+    transforms: KVTransforms | None,
+    cfg: PerplexityConfig,
+    engine: str | None = None,
+) -> np.ndarray:  # f32[N, T-1] log-probabilities of the next token
+    """Next-token log-probabilities of every window, `batch_size` windows per call."""
+    engine = engine or cfg.engine
+    out = []
+    for i in range(0, len(windows), cfg.batch_size):
+        batch = windows[i : i + cfg.batch_size]
+        if engine == "paged" and cache_cfg is not None:
+            out.append(scorer.chunked(batch, cache_cfg, transforms, cfg.chunk))
+        else:
+            out.append(scorer.one_pass(batch, cache_cfg, transforms, cfg.chunk))
+    return np.concatenate(out, axis=0)
+
+
+def perplexity(logprobs: np.ndarray) -> float:
+    return float(math.exp(-float(np.mean(logprobs, dtype=np.float64))))
+
+
+def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> list[dict]:
+    """Every row of the grid, full precision first."""
+    scorer = common.TokenScorer(lm.model)
+    n_tok = int(windows.shape[0] * (windows.shape[1] - 1))
+    base = dict(
+        num_windows=int(len(windows)),
+        seq_len=int(windows.shape[1]),
+        tokens=n_tok,
+        metric="perplexity",
+        engine=cfg.engine,
+        chunk=cfg.chunk,
+    )
+    rows = []
+    t0 = time.perf_counter()
+    fp = perplexity(score(scorer, windows, None, None, cfg))
+    rows.append(
+        dict(
+            transform=common.FULL_PRECISION,
+            quantizer=None,
+            bits=None,
+            windows=None,
+            value=fp,
+            rel_to_fp=0.0,
+            seconds=time.perf_counter() - t0,
+            **base,
+        )
+    )
+    print(f"full precision: {fp:.3f}", file=sys.stderr)
+
+    settings = [(q, b, cfg.protocol) for q in cfg.quantizers for b in cfg.bits]
+    if cfg.serving is not None:
+        settings += [("oscar", b, cfg.serving) for b in cfg.serving_bits]
+    transforms_cache: dict[tuple[str, int], KVTransforms] = {}
+    for quantizer, bits, win in settings:
+        ccfg = cache_config(
+            win, cfg.page_size, QuantConfig(method=quantizer, bits=bits), windows.shape[1]
+        )
+        for method in cfg.methods:
+            key = (method, bits)
+            if key not in transforms_cache:
+                transforms_cache[key] = common.load_method(
+                    cfg.calib_dir, method, bits, lm.cfg, lm.fingerprint
+                )
+            t0 = time.perf_counter()
+            ppl = perplexity(score(scorer, windows, ccfg, transforms_cache[key], cfg))
+            rows.append(
+                dict(
+                    transform=method,
+                    quantizer=quantizer,
+                    bits=bits,
+                    windows=window_name(win),
+                    value=ppl,
+                    rel_to_fp=ppl / fp - 1.0,
+                    seconds=time.perf_counter() - t0,
+                    **base,
+                )
+            )
+            print(
+                f"{method:>18} {quantizer:>6} {bits}b {window_name(win):>10}: {ppl:.3f} "
+                f"({100 * (ppl / fp - 1):+.2f}%) {time.perf_counter() - t0:.0f}s",
+                file=sys.stderr,
+            )
+    return rows
+
+
+def crosscheck(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> dict:
+    """wush at 2 bits (oscar quantizer, protocol windows) through both engines on a prefix."""
+    n = min(cfg.crosscheck_tokens, windows.shape[1])
+    w = windows[:1, :n]
+    method = "wush" if "wush" in cfg.methods else cfg.methods[0]
+    tf = common.load_method(cfg.calib_dir, method, 2, lm.cfg, lm.fingerprint)
+    ccfg = cache_config(cfg.protocol, cfg.page_size, QuantConfig(method="oscar", bits=2), n)
+    scorer = common.TokenScorer(lm.model)
+    t0 = time.perf_counter()
+    sim = scorer.one_pass(w, ccfg, tf, cfg.chunk)
+    t1 = time.perf_counter()
+    paged = scorer.chunked(w, ccfg, tf, cfg.chunk)
+    t2 = time.perf_counter()
+    return dict(
+        transform=method,
+        quantizer="oscar",
+        bits=2,
+        windows=window_name(cfg.protocol),
+        tokens=int(n - 1),
+        ppl_simulated=perplexity(sim),
+        ppl_paged=perplexity(paged),
+        max_abs_logprob_diff=float(np.max(np.abs(sim - paged))),
+        seconds_simulated=t1 - t0,
+        seconds_paged=t2 - t1,
+    )
+
+
+def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
+    fp = rows[0]["value"]
+    n_win, n_tok = rows[0]["num_windows"], rows[0]["tokens"]
+    lines = [
+        f"Perplexity on {n_win} x {rows[0]['seq_len']}-token windows of the evaluation "
+        f"plays ({n_tok} predicted tokens), {cfg.chunk}-token chunks, engine "
+        f"`{cfg.engine}`. Full precision: **{fp:.3f}**. Cells: perplexity (change vs full "
+        f"precision).\n"
+    ]
+    prot = window_name(cfg.protocol)
+    cols = [(q, b) for q in cfg.quantizers for b in cfg.bits]
+    header = ["transform"] + [f"{q} {b}b" for q, b in cols]
+    serv = window_name(cfg.serving) if cfg.serving is not None else None
+    if serv is not None:
+        header += [f"oscar {b}b @ {serv}" for b in cfg.serving_bits]
+    by = {(r["transform"], r["quantizer"], r["bits"], r["windows"]): r for r in rows[1:]}
+    table = []
+    for m in cfg.methods:
+        cells = [m]
+        keys = [(m, q, b, prot) for q, b in cols]
+        if serv is not None:
+            keys += [(m, "oscar", b, serv) for b in cfg.serving_bits]
+        for k in keys:
+            r = by.get(k)
+            cells.append("-" if r is None else f"{r['value']:.2f} ({100 * r['rel_to_fp']:+.1f}%)")
+        table.append(cells)
+    lines.append(
+        f"Windows sink/keep/flush = {prot}"
+        + (f"; last column(s): serving defaults {serv}" if serv else "")
+        + ".\n"
+    )
+    lines.append(common.markdown_table(header, table))
+    if extra.get("crosscheck"):
+        c = extra["crosscheck"]
+        lines.append(
+            f"\nEngine cross-check ({c['transform']}, {c['quantizer']} {c['bits']}b, "
+            f"{c['windows']}, first {c['tokens'] + 1} tokens of window 0): simulated "
+            f"{c['ppl_simulated']:.4f} vs real paged cache {c['ppl_paged']:.4f}, max "
+            f"|log p| difference {c['max_abs_logprob_diff']:.2e} ({c['seconds_simulated']:.0f}s "
+            f"vs {c['seconds_paged']:.0f}s).\n"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], cfg: PerplexityConfig, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fp = rows[0]["value"]
+    prot = window_name(cfg.protocol)
+    fig, axes = plt.subplots(
+        1, len(cfg.quantizers), figsize=(5.5 * len(cfg.quantizers), 4.2), squeeze=False
+    )
+    for ax, q in zip(axes[0], cfg.quantizers):
+        for m in cfg.methods:
+            pts = sorted(
+                (r["bits"], r["value"])
+                for r in rows[1:]
+                if r["transform"] == m and r["quantizer"] == q and r["windows"] == prot
+            )
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m)
+        ax.axhline(fp, color="k", ls="--", lw=1, label="full precision")
+        ax.set_yscale("log")
+        ax.set_xticks(list(cfg.bits))
+        ax.set_xlabel("bits")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"{q} quantizer, windows {prot}")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(cfg: PerplexityConfig, lm: LoadedModel | None = None) -> dict:
+    """Runs the grid and writes perplexity.{json,md,png} under cfg.out; returns the payload."""
+    lm = lm or load_model(cfg.model)
+    windows = common.evaluation_windows(lm.tokenizer, cfg.seq_len, cfg.num_windows)
+    t0 = time.perf_counter()
+    rows = run_grid(cfg, lm, windows)
+    extra = {}
+    if cfg.crosscheck_tokens > 0:
+        extra["crosscheck"] = crosscheck(cfg, lm, windows)
+    payload = dict(
+        eval="perplexity",
+        config=dataclasses.asdict(cfg),
+        model=common.model_info(lm),
+        environment=common.environment(),
+        seconds=time.perf_counter() - t0,
+        rows=rows,
+        **extra,
+    )
+    common.write_results(cfg.out, "perplexity", payload, to_markdown(rows, cfg, extra))
+    if cfg.plot:
+        plot(rows, cfg, pathlib.Path(cfg.out) / "perplexity.png")
+    return payload
+
+
+def parse_args(argv: Sequence[str] | None = None) -> PerplexityConfig:
+    d = PerplexityConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m eval.perplexity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=None)
+    p.add_argument("--calib-dir", default=d.calib_dir)
+    p.add_argument("--methods", nargs="+", default=list(d.methods))
+    p.add_argument("--bits", type=int, nargs="+", default=list(d.bits))
+    p.add_argument("--quantizers", nargs="+", default=list(d.quantizers))
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--windows", type=int, default=d.num_windows, dest="num_windows")
+    p.add_argument("--chunk", type=int, default=d.chunk)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument(
+        "--protocol", type=int, nargs=3, default=list(d.protocol), metavar=("SINK", "KEEP", "FLUSH")
+    )
+    p.add_argument(
+        "--serving", type=int, nargs=3, default=list(d.serving), metavar=("SINK", "KEEP", "FLUSH")
+    )
+    p.add_argument("--no-serving", action="store_true")
+    p.add_argument("--serving-bits", type=int, nargs="+", default=list(d.serving_bits))
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--engine", choices=("simulated", "paged"), default=d.engine)
+    p.add_argument("--crosscheck-tokens", type=int, default=d.crosscheck_tokens)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    return PerplexityConfig(
+        model=a.model,
+        calib_dir=a.calib_dir,
+        methods=tuple(a.methods),
+        bits=tuple(a.bits),
+        quantizers=tuple(a.quantizers),
+        seq_len=a.seq_len,
+        num_windows=a.num_windows,
+        chunk=a.chunk,
+        batch_size=a.batch_size,
+        protocol=tuple(a.protocol),
+        serving=None if a.no_serving else tuple(a.serving),
+        serving_bits=tuple(a.serving_bits),
+        page_size=a.page_size,
+        engine=a.engine,
+        crosscheck_tokens=a.crosscheck_tokens,
+        out=a.out,
+        plot=not a.no_plot,
+    )
+
+
+if __name__ == "__main__":
+    main(parse_args())

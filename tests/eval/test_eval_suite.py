@@ -1,0 +1,224 @@
+"""The eval scripts on a tiny random model: engines agree, mains run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from eval import attention_error, common, perplexity, retrieval
+from kvjax.config import ModelConfig
+from kvjax.loading import LoadedModel
+from kvjax.model import Transformer
+from kvjax.paged_cache import CacheConfig
+from kvjax.quantizers import QuantConfig
+from kvjax.storage import save_transforms
+from kvjax.transforms import KVTransforms
+
+CFG = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+)
+FINGERPRINT = "tiny-test-model"
+
+
+class ByteTokenizer:
+    """Bytes folded into the tiny vocabulary; enough for windows and prompts."""
+
+    def encode(self, text: str) -> list[int]:
+        return [b % CFG.vocab_size for b in text.encode()]
+
+
+def _random_transforms(seed: int) -> KVTransforms:
+    rng = np.random.default_rng(seed)
+    shape = (CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, CFG.head_dim)
+    qk, _ = np.linalg.qr(rng.normal(size=shape))
+    qv, _ = np.linalg.qr(rng.normal(size=shape))
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return KVTransforms(
+        f(qk),
+        f(np.swapaxes(qk, -1, -2)),
+        f(qv),
+        f(np.swapaxes(qv, -1, -2)),
+        f(np.full(CFG.num_layers, 0.9)),
+        f(np.full(CFG.num_layers, 0.85)),
+    )
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    return LoadedModel(
+        model=model, tokenizer=ByteTokenizer(), cfg=CFG, fingerprint=FINGERPRINT, source="tiny"
+    )
+
+
+@pytest.fixture(scope="module")
+def calib_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("calib")
+    for i, m in enumerate(("identity", "wush")):
+        tf = KVTransforms.identity(CFG, 0.96, 0.92) if m == "identity" else _random_transforms(i)
+        clips = {
+            str(b): dict(k=[0.95 - 0.01 * b] * CFG.num_layers, v=[0.9 - 0.01 * b] * CFG.num_layers)
+            for b in (2, 3, 4)
+        }
+        save_transforms(
+            out / m, tf, dict(model_fingerprint=FINGERPRINT, method=m, clips_by_bits=clips)
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def windows() -> np.ndarray:
+    return np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 97)).astype(np.int32)
+
+
+def test_full_precision_chunked_paged_equals_one_forward(lm, windows):
+    scorer = common.TokenScorer(lm.model)
+    one = scorer.one_pass(windows, None, None, 16)
+    ccfg = CacheConfig(sink=16, keep=32, flush=16, page_size=16, quant=None, max_seq_len=128)
+    chunked = scorer.chunked(windows, ccfg, _random_transforms(3), 16)
+    np.testing.assert_allclose(chunked, one, atol=2e-5, rtol=0)
+    assert perplexity.perplexity(chunked) == pytest.approx(perplexity.perplexity(one), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "qc, decode_from", [(QuantConfig("oscar", 2), None), (QuantConfig("quest", 3), 90)]
+)
+def test_simulated_cache_matches_real_paged_cache(lm, windows, qc, decode_from):
+    scorer = common.TokenScorer(lm.model)
+    tf = _random_transforms(7)
+    ccfg = CacheConfig(sink=16, keep=32, flush=16, page_size=16, quant=qc, max_seq_len=128)
+    sim = scorer.one_pass(windows, ccfg, tf, 16, decode_from=decode_from)
+    real = scorer.chunked(windows, ccfg, tf, 16, decode_from=decode_from)
+    np.testing.assert_allclose(sim, real, atol=5e-5, rtol=0)
+    # The quantized cache must actually change something at 2 bits (the mask is not empty).
+    if qc.bits == 2:
+        assert np.max(np.abs(sim - scorer.one_pass(windows, None, None, 16))) > 1e-3
+
+
+def test_low_bit_mask_follows_the_cache_policy():
+    ccfg = CacheConfig(sink=16, keep=32, flush=16, page_size=16, quant=None)
+    pos = jnp.arange(100, dtype=jnp.int32)[None]
+    m = np.asarray(common.low_bit_mask(pos, ccfg, 16))[0]
+    # Chunk [64, 80) sees 64 stored tokens: quant_end(64) = 16 + 16 * ((64-48)//16) = 32.
+    assert m[70, 16:32].all() and not m[70, 32:].any() and not m[70, :16].any()
+    assert not m[:64].any()  # quant_end(c) = sink while c <= 48 + 15
+    assert not np.any(m & ~np.tril(np.ones((100, 100), bool)))
+
+
+def test_perplexity_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        common,
+        "evaluation_windows",
+        lambda tok, n, k, text=None: (
+            np.random.default_rng(2).integers(0, CFG.vocab_size, (k, n)).astype(np.int32)
+        ),
+    )
+    cfg = perplexity.PerplexityConfig(
+        calib_dir=str(calib_dir),
+        methods=("identity", "wush"),
+        bits=(2,),
+        quantizers=("oscar", "quest"),
+        seq_len=80,
+        num_windows=2,
+        batch_size=2,
+        protocol=(16, 32, 16),
+        serving=(16, 48, 16),
+        out=str(tmp_path),
+        crosscheck_tokens=64,
+    )
+    payload = perplexity.main(cfg, lm)
+    data = json.loads((tmp_path / "perplexity.json").read_text())
+    assert data["rows"] == json.loads(json.dumps(payload["rows"]))
+    rows = data["rows"]
+    assert len(rows) == 1 + 2 * 2 * 1 + 2
+    for r in rows:
+        assert {"transform", "quantizer", "bits", "windows", "metric", "value"} <= set(r)
+        assert r["metric"] == "perplexity" and np.isfinite(r["value"]) and r["value"] > 1
+    assert data["crosscheck"]["max_abs_logprob_diff"] < 1e-4
+    assert (tmp_path / "perplexity.md").read_text().count("\n| wush |") == 1
+    assert (tmp_path / "perplexity.png").stat().st_size > 0
+
+
+def test_attention_error_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        common,
+        "evaluation_windows",
+        lambda tok, n, k, text=None: (
+            np.random.default_rng(3).integers(0, CFG.vocab_size, (k, n)).astype(np.int32)
+        ),
+    )
+    cfg = attention_error.AttentionErrorConfig(
+        calib_dir=str(calib_dir),
+        methods=("identity", "wush"),
+        seq_len=48,
+        num_windows=2,
+        out=str(tmp_path),
+    )
+    attention_error.main(cfg, lm)
+    rows = json.loads((tmp_path / "attention_error.json").read_text())["rows"]
+    assert len(rows) == 2 * len(attention_error.METRICS) * (CFG.num_layers + 1)
+    for r in rows:
+        assert {"transform", "quantizer", "bits", "windows", "layer", "metric", "value"} <= set(r)
+        assert np.isfinite(r["value"]) and r["value"] >= 0
+    out_err = [r["value"] for r in rows if r["metric"] == "output_rel_err" and r["layer"] != "mean"]
+    assert max(out_err) > 0  # 2-bit K/V must perturb the module output
+    assert (tmp_path / "attention_error.png").stat().st_size > 0
+
+
+def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        retrieval.assets,
+        "evaluation_text",
+        lambda: "".join(chr(97 + (i * 7) % 26) for i in range(4000)),
+    )
+    cfg = retrieval.RetrievalConfig(
+        calib_dir=str(calib_dir),
+        methods=("identity", "wush"),
+        lengths=(320, 400),
+        depths=(0.2, 0.8),
+        key_digits=3,
+        windows=(16, 64, 16),
+        batch_size=2,
+        out=str(tmp_path),
+    )
+    retrieval.main(cfg, lm)
+    rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
+    assert len(rows) == 3 * 2
+    for r in rows:
+        assert {"transform", "quantizer", "bits", "windows", "length", "metric", "value"} <= set(r)
+        assert 0.0 <= r["value"] <= 1.0 and r["trials"] == 2
+
+
+def test_make_trials_places_key_and_answer(lm):
+    filler = np.arange(5000, dtype=np.int32) % CFG.vocab_size
+    ids, a0, info = retrieval.make_trials(lm.tokenizer, filler, 256, (0.0, 0.5, 1.0), 1, 5, 0)
+    assert ids.shape == (3, 256)
+    for row, t in zip(ids, info):
+        answer = lm.tokenizer.encode(retrieval.ANSWER.format(key=t["key"]))
+        assert row[a0:].tolist() == answer
+        needle = lm.tokenizer.encode(retrieval.NEEDLE.format(key=t["key"]))
+        p = t["needle_position"]
+        assert row[p : p + len(needle)].tolist() == needle
+
+
+def test_bad_config_values_raise():
+    with pytest.raises(ValueError, match="bits=5"):
+        perplexity.PerplexityConfig(bits=(5,))
+    with pytest.raises(ValueError, match="nope"):
+        attention_error.AttentionErrorConfig(methods=("nope",))
+    with pytest.raises(ValueError, match="key_digits=0"):
+        retrieval.RetrievalConfig(key_digits=0)
+    with pytest.raises(ValueError, match="too short"):
+        retrieval.make_trials(ByteTokenizer(), np.zeros(100, np.int32), 40, (0.5,), 1, 5, 0)
