@@ -1,0 +1,268 @@
+"""Run the evaluation set on the default model and write RESULTS.md.
+
+    python -m eval.report                       # full set (CPU: see RESULTS.md for the time)
+    python -m eval.report --quick               # smoke run: few methods, short windows
+
+Needs calibrated transforms (`python -m kvjax.calibrate --method wush wush_a oscar
+oscar_tokenweight kv_pca hadamard random identity --bits 2 3 4 --out runs/calib`). Writes
+results/{perplexity,attention_error,retrieval,memory}.{json,md} (+ PNG plots) and RESULTS.md
+with the tables, the attention-error plot, cache memory at 2 bits, the issue targets checked
+against the measured numbers, the date, machine, jax version and the exact commands.
+Nothing is tuned on the evaluation plays: clips come from the calibration plays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+
+from eval import attention_error, common, perplexity, retrieval
+from kvjax.config import ModelConfig
+from kvjax.loading import load_model
+from kvjax.paged_cache import CacheConfig, PagedKVCache
+from kvjax.quantizers import QuantConfig
+from kvjax.transforms import KVTransforms
+from pallas_kernels.layout import PageLayout
+
+QUICK_METHODS = ("identity", "hadamard", "oscar", "wush")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    quick: bool = False
+    model: str | None = None
+    calib_dir: str = "runs/calib"
+    out: str = "results"
+    results_md: str = "RESULTS.md"
+    ppl_windows: int = 1  # 2048-token windows for the full grid (CPU budget)
+    memory_context: int = 32768  # tokens per sequence for the memory comparison
+    run: tuple[str, ...] = ("perplexity", "attention_error", "retrieval")
+
+
+def memory_report(model_cfg: ModelConfig, context: int, bits: int = 2) -> dict:
+    """Bytes the paged cache allocates for one sequence of `context` tokens at `bits` bits
+    (serving windows 64/256/16, bf16 full-precision pages) vs a dense bf16 K/V cache."""
+    qc = QuantConfig(method="oscar", bits=bits)
+    ccfg = CacheConfig(
+        sink=64,
+        keep=256,
+        flush=16,
+        page_size=16,
+        quant=qc,
+        fp_dtype="bfloat16",
+        max_seq_len=context,
+    )
+    cache = PagedKVCache.create(
+        model_cfg, ccfg, KVTransforms.identity(model_cfg), 1, max_new_tokens=16
+    )
+    paged = cache.allocated_bytes()
+    dense = 2 * context * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * 2
+    lay = PageLayout(
+        page_size=16,
+        num_kv_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim,
+        bits=bits,
+        group_size=qc.resolve_group_size(model_cfg.head_dim),
+        meta_dtype=qc.meta_dtype,
+        fp_dtype="bfloat16",
+    )
+    elements = 2 * context * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
+    return dict(
+        context=context,
+        bits=bits,
+        windows="64/256/16",
+        page_size=16,
+        paged_allocated_bytes=int(paged),
+        dense_bf16_bytes=int(dense),
+        ratio=dense / paged,
+        allocated_bits_per_element=8 * paged / elements,
+        lowbit_page_bits_per_element=float(lay.bits_per_element),
+        fp_pages=int(cache.num_fp_pages),
+        lowbit_pages=int(cache.num_lowbit_pages),
+    )
+
+
+def _targets(ppl: dict) -> list[str]:
+    """The issue's 16/128/16, 2-bit targets, checked against the measured grid (oscar quant)."""
+    rows = ppl["rows"]
+    fp = rows[0]["value"]
+    prot = "/".join(map(str, ppl["config"]["protocol"]))
+    at2 = {
+        r["transform"]: r
+        for r in rows[1:]
+        if r["bits"] == 2 and r["quantizer"] == "oscar" and r["windows"] == prot
+    }
+    out = []
+    if "wush" in at2:
+        w = at2["wush"]
+        ok = w["rel_to_fp"] <= 0.06
+        out.append(
+            f"- wush within 6% of full precision: **{'met' if ok else 'missed'}** — "
+            f"{w['value']:.3f} vs {fp:.3f} ({100 * w['rel_to_fp']:+.2f}%"
+            + ("" if ok else f", {100 * (w['rel_to_fp'] - 0.06):.2f} points over")
+            + ")."
+        )
+        for other in ("hadamard", "oscar"):
+            if other in at2:
+                o = at2[other]
+                out.append(
+                    f"- wush ahead of {other}: **{'yes' if w['value'] < o['value'] else 'no'}"
+                    f"** — {w['value']:.3f} vs {o['value']:.3f}."
+                )
+    if "identity" in at2:
+        ident = at2["identity"]["value"]
+        cal = [m for m in at2 if m not in ("identity", "random", "hadamard")]
+        worst = max(cal, key=lambda m: at2[m]["value"]) if cal else None
+        if worst:
+            out.append(
+                f"- every calibrated transform far ahead of identity ({ident:.2f}): "
+                f"**{'yes' if at2[worst]['value'] < 0.5 * ident else 'no'}** — the worst "
+                f"calibrated one is {worst} at {at2[worst]['value']:.2f}."
+            )
+    return out
+
+
+def write_results_md(cfg: ReportConfig, results: dict, commands: list[str], seconds: float) -> str:
+    env = common.environment()
+    out = pathlib.Path(cfg.out)
+    parts = [
+        "# kvjax results on the default model\n",
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF, shipped), measured by `eval/` on {env['date']}; "
+        f"machine {env['machine']} ({env['cpu_count']} CPUs visible, shared with other "
+        f"jobs), jax {env['jax_version']} ({env['jax_backend']}). Run time "
+        f"{seconds / 60:.0f} min{' (quick smoke run)' if cfg.quick else ''}. Machine-readable "
+        f"rows are in `{out}/*.json`.\n",
+        "Commands:\n",
+        "```",
+        *commands,
+        "```\n",
+    ]
+    if "perplexity" in results:
+        ppl = results["perplexity"]
+        parts += [
+            "## Perplexity (WUSH-KV protocol)\n",
+            (out / "perplexity.md").read_text(),
+            f"![perplexity]({out}/perplexity.png)\n",
+            "### Issue targets (16/128/16, 2 bits, oscar quantizer)\n",
+            *_targets(ppl),
+            "",
+        ]
+    if "attention_error" in results:
+        parts += [
+            "## Attention error per layer\n",
+            (out / "attention_error.md").read_text(),
+            f"![attention error]({out}/attention_error.png)\n",
+        ]
+    if "retrieval" in results:
+        parts += ["## Passkey retrieval\n", (out / "retrieval.md").read_text()]
+    mem = results["memory"]
+    parts += [
+        "## Cache memory at 2 bits\n",
+        f"One sequence of {mem['context']} tokens, model shapes above, serving windows "
+        f"{mem['windows']}, bf16 full-precision pages, fp16 scale/zero per token and head: "
+        f"the paged cache allocates **{mem['paged_allocated_bytes'] / 2**20:.2f} MiB** "
+        f"(pools as created, every array counted) vs **"
+        f"{mem['dense_bf16_bytes'] / 2**20:.2f} MiB** for a dense bf16 K/V cache: "
+        f"**{mem['ratio']:.2f}x** smaller, {mem['allocated_bits_per_element']:.3f} "
+        f"allocated bits per element overall; a low-bit page stores "
+        f"{mem['lowbit_page_bits_per_element']:.3f} bits per element (codes + scale/zero).\n",
+    ]
+    text = "\n".join(parts)
+    pathlib.Path(cfg.results_md).write_text(text)
+    return text
+
+
+def main(cfg: ReportConfig, argv: Sequence[str] | None = None) -> dict:
+    t0 = time.perf_counter()
+    lm = load_model(cfg.model)
+    q = cfg.quick
+    methods = QUICK_METHODS if q else common.ALL_METHODS
+    results: dict = {}
+    commands = [
+        "python -m kvjax.calibrate --method wush wush_a oscar oscar_tokenweight kv_pca "
+        "hadamard random identity --bits 2 3 4 --tokens 65536 --out " + cfg.calib_dir,
+        "python -m eval.report " + shlex.join(argv or []),
+    ]
+    if "perplexity" in cfg.run:
+        pc = perplexity.PerplexityConfig(
+            calib_dir=cfg.calib_dir,
+            methods=methods,
+            bits=(2,) if q else (2, 3, 4),
+            seq_len=512 if q else 2048,
+            num_windows=1 if q else cfg.ppl_windows,
+            crosscheck_tokens=0 if q else 256,
+            out=cfg.out,
+        )
+        results["perplexity"] = perplexity.main(pc, lm)
+        print("perplexity done", file=sys.stderr)
+    if "attention_error" in cfg.run:
+        ac = attention_error.AttentionErrorConfig(
+            calib_dir=cfg.calib_dir,
+            methods=methods,
+            seq_len=256 if q else 1024,
+            num_windows=1 if q else 2,
+            out=cfg.out,
+        )
+        results["attention_error"] = attention_error.main(ac, lm)
+        print("attention error done", file=sys.stderr)
+    if "retrieval" in cfg.run:
+        rc = retrieval.RetrievalConfig(
+            calib_dir=cfg.calib_dir,
+            methods=methods,
+            lengths=(512,) if q else (512, 1024, 2000),
+            depths=(0.25, 0.75) if q else (0.1, 0.3, 0.5, 0.7, 0.9),
+            out=cfg.out,
+        )
+        results["retrieval"] = retrieval.main(rc, lm)
+        print("retrieval done", file=sys.stderr)
+    results["memory"] = memory_report(lm.cfg, cfg.memory_context)
+    common.write_results(
+        cfg.out,
+        "memory",
+        dict(eval="memory", **results["memory"]),
+        common.markdown_table(list(results["memory"]), [list(results["memory"].values())]),
+    )
+    write_results_md(cfg, results, commands, time.perf_counter() - t0)
+    return results
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ReportConfig:
+    d = ReportConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m eval.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--model", default=None)
+    p.add_argument("--calib-dir", default=d.calib_dir)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--results-md", default=d.results_md)
+    p.add_argument("--ppl-windows", type=int, default=d.ppl_windows)
+    p.add_argument("--memory-context", type=int, default=d.memory_context)
+    p.add_argument(
+        "--run",
+        nargs="+",
+        default=list(d.run),
+        choices=("perplexity", "attention_error", "retrieval"),
+    )
+    a = p.parse_args(argv)
+    return ReportConfig(
+        quick=a.quick,
+        model=a.model,
+        calib_dir=a.calib_dir,
+        out=a.out,
+        results_md=a.results_md,
+        ppl_windows=a.ppl_windows,
+        memory_context=a.memory_context,
+        run=tuple(a.run),
+    )
+
+
+if __name__ == "__main__":
+    main(parse_args(), sys.argv[1:])
