@@ -207,11 +207,12 @@ def _dense_attention(q, k, v, sm_scale):
 LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_pallas": (2, {}, {}),
     "int4_pallas": (4, {}, {}),
-    # Inner-loop strategies (`DecodeConfig.unpack` / `int_to_float`); the default is
-    # full + exponent on the GPU.
+    # Inner-loop strategies (`DecodeConfig.unpack` / `int_to_float`); the GPU default is
+    # planes + exponent.
     "int2_planes_convert": (2, dict(unpack="planes", int_to_float="convert"), {}),
     "int2_planes_exponent": (2, dict(unpack="planes", int_to_float="exponent"), {}),
     "int2_full_convert": (2, dict(unpack="full", int_to_float="convert"), {}),
+    "int2_full_exponent": (2, dict(unpack="full", int_to_float="exponent"), {}),
     "int4_full_convert": (4, dict(unpack="full", int_to_float="convert"), {}),
     # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
@@ -413,7 +414,9 @@ def quantize_pack_step_cost(cfg: BenchConfig, batch: int) -> dict:
     xs = [jax.random.normal(k, (batch, cfg.kv_heads, d), jnp.bfloat16) for k in keys]
     out = dict(batch=batch, layers=cfg.layers)
     impls = {
-        "kernel": lambda x, bits: qp.quantize_pack(x, a, 0.95, bits=bits, backend=cfg.backend),
+        "kernel": lambda x, bits: qp.quantize_pack_kernel(
+            x, a, 0.95, bits=bits, backend=cfg.backend
+        ),
         "xla_ref": lambda x, bits: qp.ref_quantize_pack(x, a, 0.95, bits=bits),
     }
     for impl, fn in impls.items():

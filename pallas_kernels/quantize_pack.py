@@ -6,11 +6,13 @@ quest, or minmax), scale/zero rounded to ``meta_dtype``, round to nearest, and p
 to 2 or 4 bits (:mod:`pallas_kernels.layout`). Used at prefill and at each flush.
 
 * :func:`ref_quantize_pack` -- pure jnp, sort-based quantile, whole-array ops.
-* :func:`quantize_pack` -- the Pallas kernel (``backend='gpu'``: Triton, ``'tpu'``: Mosaic),
+* :func:`quantize_pack_kernel` -- the Pallas kernel (``backend='gpu'``: Triton, ``'tpu'``: Mosaic),
   rank-count quantile. Same math, so codes are bit-identical to the reference whenever the
   matmul ``x @ A`` rounds identically; where it does not (different summation order on
   hardware), a value within an ulp of a rounding boundary may land one code apart and
   scale/zero differ in the last float32 bit before rounding to ``meta_dtype``.
+* :func:`quantize_pack` -- the entry point: the kernel, or the reference under jit for the
+  few-token decode flush on GPU, where it is measured faster.
 * :func:`quantize_pack_to_pages` -- kernel + write into the page pools at (page, slot). The
   write is a scatter in the wrapper (:func:`pallas_kernels.layout.scatter_tokens`) on donated
   pools, not an in-kernel ``input_output_aliases`` store: tokens of one call may land on
@@ -35,6 +37,9 @@ from pallas_kernels import quant_math as qm
 
 Backend = Literal["gpu", "tpu"]
 _DEFAULT_BLOCK_TOKENS = {"gpu": 16, "tpu": 16}
+# At most this many tokens per call, `quantize_pack` on GPU hardware takes the XLA path (the
+# per-token flush at decode); measured at 1 and 8 tokens (see `quantize_pack`).
+GPU_XLA_MAX_TOKENS = 8
 
 
 def _validate(
@@ -144,7 +149,69 @@ def quantize_pack(
     backend: Backend = "gpu",
     interpret: bool | object = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pallas quantize+pack; same arguments and results as :func:`ref_quantize_pack`.
+    """Quantize+pack; same arguments and results as :func:`ref_quantize_pack`.
+
+    Runs :func:`quantize_pack_kernel`, except for few tokens on GPU hardware (the decode-step
+    flush, ``N <= GPU_XLA_MAX_TOKENS``), where the XLA-fused reference is used: measured on an
+    H200 (results/bench_decode_h200_run4.json), one token x 8 KV heads x 128 took ~0.70 ms per
+    call in the kernel (N padded to a 16-row block; the rank-count quantile over 16 x 128 x 128
+    comparisons per program) and ~0.04 ms through XLA. Both compute the same exact quantile.
+
+    Args and returns: as in :func:`quantize_pack_kernel`.
+    """
+    if backend == "gpu" and interpret is False and x.shape[0] <= GPU_XLA_MAX_TOKENS:
+        return ref_quantize_pack(
+            x,
+            a,
+            clip,
+            method=method,
+            bits=bits,
+            group_size=group_size,
+            meta_dtype=meta_dtype,
+        )
+    return quantize_pack_kernel(
+        x,
+        a,
+        clip,
+        method=method,
+        bits=bits,
+        group_size=group_size,
+        meta_dtype=meta_dtype,
+        block_tokens=block_tokens,
+        num_warps=num_warps,
+        backend=backend,
+        interpret=interpret,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "method",
+        "bits",
+        "group_size",
+        "meta_dtype",
+        "block_tokens",
+        "num_warps",
+        "backend",
+        "interpret",
+    ),
+)
+def quantize_pack_kernel(
+    x: jax.Array,  # f32|bf16[N, Hkv, d]
+    a: jax.Array,  # f32[Hkv, d, d]
+    clip: jax.Array | float | None = None,  # scalar or f32[Hkv]
+    *,
+    method: qm.Method = "oscar",
+    bits: int = 2,
+    group_size: int | None = None,
+    meta_dtype: str = "float16",
+    block_tokens: int | None = None,
+    num_warps: int = 4,
+    backend: Backend = "gpu",
+    interpret: bool | object = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pallas quantize+pack (always the kernel); same results as :func:`ref_quantize_pack`.
 
     Args:
       x, a, clip, method, bits, group_size, meta_dtype: as in :func:`ref_quantize_pack`.

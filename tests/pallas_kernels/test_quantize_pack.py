@@ -169,3 +169,16 @@ def test_shape_validation():
         quantize_pack(x, a[:2], interpret=True)
     with pytest.raises(ValueError, match="x.shape"):
         ref_quantize_pack(x[0], a)
+
+
+def test_few_token_gpu_flush_takes_the_xla_path():
+    # On GPU hardware a decode flush of <= GPU_XLA_MAX_TOKENS tokens is routed to the jitted
+    # reference (measured faster than the kernel); it must return exactly the reference's
+    # codes. Runs anywhere: that path has no Pallas call, so it needs no GPU.
+    from pallas_kernels import quantize_pack as qp
+
+    x, a = _inputs(qp.GPU_XLA_MAX_TOKENS, 8, 128)
+    got = quantize_pack(x, a, 0.95, bits=2, backend="gpu", interpret=False)
+    want = ref_quantize_pack(x, a, 0.95, bits=2)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
