@@ -222,3 +222,27 @@ def test_bad_config_values_raise():
         retrieval.RetrievalConfig(key_digits=0)
     with pytest.raises(ValueError, match="too short"):
         retrieval.make_trials(ByteTokenizer(), np.zeros(100, np.int32), 40, (0.5,), 1, 5, 0)
+
+
+def test_memory_report_counts_pools_and_beats_bf16():
+    from eval import report
+
+    long_cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+    )
+    mem = report.memory_report(long_cfg, 8192)
+    assert mem["dense_bf16_bytes"] == 2 * 8192 * 2 * 2 * 64 * 2
+    # 2-bit codes + fp16 scale/zero per 64 channels: 2.5 bits; full-precision windows add a bit.
+    assert mem["lowbit_page_bits_per_element"] == pytest.approx(2.5)
+    # Every pool counted: K and V, per layer, low-bit pages at 2.5 bits + bf16 fp pages.
+    per_kv_layer = 16 * 2 * 64 * (mem["lowbit_pages"] * 2.5 / 8 + mem["fp_pages"] * 2)
+    assert mem["paged_allocated_bytes"] == pytest.approx(2 * 2 * per_kv_layer)
+    assert 2.5 < mem["allocated_bits_per_element"] < 4.0
+    assert mem["ratio"] == pytest.approx(16 / mem["allocated_bits_per_element"])
