@@ -50,7 +50,7 @@ def save_transforms(
     path: str | os.PathLike[str], tf: KVTransforms, metadata: dict[str, Any]
 ) -> None:
     """Writes `tf` and `metadata` (must include 'model_fingerprint') atomically to `path`."""
-    path = pathlib.Path(path)
+    path = pathlib.Path(path).absolute()  # orbax refuses relative paths
     if "model_fingerprint" not in metadata:
         raise ValueError("metadata must include 'model_fingerprint'")
     arrays = {k: np.asarray(getattr(tf, k), np.float32) for k in _ARRAYS}
@@ -116,7 +116,7 @@ def load_transforms(
       TransformsCheckpointError: missing/corrupt/truncated files, unknown format version, or a
         fingerprint/shape mismatch (transforms made for another model).
     """
-    path = pathlib.Path(path)
+    path = pathlib.Path(path).absolute()
     meta = read_metadata(path)
     if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
         raise TransformsCheckpointError(

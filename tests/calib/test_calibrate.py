@@ -196,3 +196,11 @@ def test_directional_on_real_model(tmp_path):
     mean = {m: float(np.mean(v["output_error"])) for m, v in s["methods"].items()}
     assert mean["wush"] <= mean["oscar"] < mean["identity"], mean
     assert mean["wush"] < mean["hadamard"], mean
+
+
+def test_relative_out_path_works(tiny_dir, text_file, tmp_path, monkeypatch):
+    """The documented `--out runs/calib` form: a path relative to the working directory."""
+    monkeypatch.chdir(tmp_path)
+    cal.main(_cfg(tiny_dir, text_file, "runs/calib", methods=("wush",), bits=(2,), tokens=256))
+    tf, meta = load_transforms("runs/calib/wush")
+    assert meta["method"] == "wush"
