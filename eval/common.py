@@ -303,7 +303,7 @@ class TokenScorer:
         # The step donates the cache, transforms included: give it private copies so the
         # caller's arrays survive (and aliased A/B arrays are not donated twice).
         own = jax.tree.map(lambda x: jnp.array(x, copy=True), transforms)
-        cache = PagedKVCache.create(self.model.cfg, ccfg, own, b, max_new_tokens=chunk)
+        cache = PagedKVCache.create(self.model.cfg, ccfg, own, b)
         mgr = PageManager(cache)
         tokens, targets = windows[:, :-1], windows[:, 1:]
         stop = t - 1 if decode_from is None else min(decode_from, t - 1)

@@ -57,9 +57,7 @@ def memory_report(model_cfg: ModelConfig, context: int, bits: int = 2) -> dict:
         fp_dtype="bfloat16",
         max_seq_len=context,
     )
-    cache = PagedKVCache.create(
-        model_cfg, ccfg, KVTransforms.identity(model_cfg), 1, max_new_tokens=16
-    )
+    cache = PagedKVCache.create(model_cfg, ccfg, KVTransforms.identity(model_cfg), 1)
     paged = cache.allocated_bytes()
     dense = 2 * context * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * 2
     lay = PageLayout(

@@ -99,9 +99,7 @@ class Engine:
         if self.cache_kind == "dense":
             return DenseKVCache.create(self.cfg, batch_size, max_len, self.model.dtype)
         ccfg = dataclasses.replace(self.cache_cfg, max_seq_len=max_len)
-        cache = PagedKVCache.create(
-            self.cfg, ccfg, self.transforms, batch_size, max_new_tokens=self.prefill_chunk
-        )
+        cache = PagedKVCache.create(self.cfg, ccfg, self.transforms, batch_size)
         self.manager = PageManager(cache)
         return cache
 

@@ -163,8 +163,6 @@ class PagedKVCache:
         cache_cfg: CacheConfig,
         transforms: KVTransforms,
         batch_size: int,
-        *,
-        max_new_tokens: int = 2048,
     ) -> PagedKVCache:
         """Allocates the pools (filled with NaN so a stray read of an unowned slot shows)."""
         transforms.check_matches(model_cfg)

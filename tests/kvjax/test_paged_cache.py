@@ -84,7 +84,6 @@ def test_segment_boundaries_and_page_accounting(chunks):
         dataclasses.replace(cc, max_seq_len=200),
         KVTransforms.identity(CFG),
         1,
-        max_new_tokens=16,
     )
     mgr = PageManager(cache)
     total = 0
@@ -114,7 +113,7 @@ def test_identity_quantizer_equals_full_precision(model, step):
     """quant=None (identity quantizer), random orthogonal transforms: exactly the dense model."""
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 60))
     full, _ = model(jnp.asarray(tokens))
-    cache = PagedKVCache.create(CFG, SMALL, random_orthogonal_transforms(CFG), 2, max_new_tokens=16)
+    cache = PagedKVCache.create(CFG, SMALL, random_orthogonal_transforms(CFG), 2)
     mgr = PageManager(cache)
     got, _ = run_chunks(step, cache, mgr, tokens, [5, 16, 1, 1, 7, 3, 1, 10, 16])
     np.testing.assert_allclose(got, np.asarray(full), atol=2e-5)
@@ -124,7 +123,7 @@ def test_identity_quantizer_equals_full_precision(model, step):
 def test_single_token_decode_matches_full_sequence(model, step):
     tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, 40))
     full, _ = model(jnp.asarray(tokens))
-    cache = PagedKVCache.create(CFG, SMALL, KVTransforms.identity(CFG), 1, max_new_tokens=1)
+    cache = PagedKVCache.create(CFG, SMALL, KVTransforms.identity(CFG), 1)
     mgr = PageManager(cache)
     got, _ = run_chunks(step, cache, mgr, tokens, [1] * 40)
     np.testing.assert_allclose(got, np.asarray(full), atol=2e-5)
@@ -139,7 +138,7 @@ def test_value_folding_with_identity_quantizer_reproduces_model(model):
 
     tf_folded = fold_value_transforms(folded, tf)
     assert tf_folded.values_folded
-    cache = PagedKVCache.create(CFG, SMALL, tf_folded, 1, max_new_tokens=30)
+    cache = PagedKVCache.create(CFG, SMALL, tf_folded, 1)
     mgr = PageManager(cache)
     cache = mgr.prepare(cache, 30)
     out, _ = folded(tokens, cache)
@@ -153,7 +152,7 @@ def test_sequences_of_different_lengths_do_not_leak(model, step):
     cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2))
     tf = random_orthogonal_transforms(CFG)
     # Together: sequence 1 gets only 6 real tokens per call for the first 4 calls.
-    cache = PagedKVCache.create(CFG, cc, tf, 2, max_new_tokens=12)
+    cache = PagedKVCache.create(CFG, cc, tf, 2)
     mgr = PageManager(cache)
     seq1_outs, seq0_outs = [], []
     pos0 = pos1 = 0
@@ -166,7 +165,7 @@ def test_sequences_of_different_lengths_do_not_leak(model, step):
         pos0, pos1 = pos0 + 12, pos1 + 6
     assert mgr.lengths == [48, 24]
     for seq, chunk, outs in ((0, 12, seq0_outs), (1, 6, seq1_outs)):
-        solo = PagedKVCache.create(CFG, cc, tf, 1, max_new_tokens=12)
+        solo = PagedKVCache.create(CFG, cc, tf, 1)
         m = PageManager(solo)
         got, _ = run_chunks(step, solo, m, toks[seq : seq + 1], [chunk] * 4)
         np.testing.assert_allclose(np.concatenate(outs), got[0], atol=1e-4)
@@ -176,7 +175,7 @@ def test_nan_in_unused_pages_never_reaches_output(model, step):
     """Pools start NaN-filled; poison every free page again mid-run: outputs stay finite."""
     tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 40))
     cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2))
-    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1, max_new_tokens=8)
+    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1)
     mgr = PageManager(cache)
     out, cache = run_chunks(step, cache, mgr, tokens[:, :24], [8, 8, 8])
     free_fp = np.asarray(mgr.free_fp + mgr._pending_free_fp, np.int32)
@@ -198,7 +197,7 @@ def test_nan_in_unused_pages_never_reaches_output(model, step):
 
 def test_pool_exhaustion_is_clear_and_changes_nothing(model, step):
     cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), num_lowbit_pages=5)
-    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1, max_new_tokens=16)
+    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1)
     mgr = PageManager(cache)
     tokens = np.random.default_rng(6).integers(0, CFG.vocab_size, (1, 64))
     ref, cache = run_chunks(step, cache, mgr, tokens[:, :32], [16, 16])  # 16 low-bit tokens
@@ -209,7 +208,7 @@ def test_pool_exhaustion_is_clear_and_changes_nothing(model, step):
     # The stored sequence is intact: decoding on continues exactly as without the failed call.
     cache = mgr.prepare(cache, 1)
     out, _ = step(jnp.asarray(tokens[:, 32:33]), cache)
-    fresh = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1, max_new_tokens=16)
+    fresh = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1)
     m2 = PageManager(fresh)
     want, _ = run_chunks(step, fresh, m2, tokens[:, :33], [16, 16, 1])
     np.testing.assert_allclose(np.asarray(out[0, -1]), want[0, -1], atol=1e-5)
