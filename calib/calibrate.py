@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -233,20 +234,42 @@ def to_kv_transforms(pairs: list[TransformPair], clip_k, clip_v) -> KVTransforms
     )
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
+def _layer_output_error(q, k, v, a_k, b_k, a_v, b_v, ck, cv, w_o, *, bits, group_size):
+    qc = QuantConfig(method="oscar", bits=bits, group_size=group_size)
+    d = k.shape[-1]
+    k_hat = errors.roundtrip(k, a_k, b_k, qc, ck)
+    v_hat = errors.roundtrip(v, a_v, b_v, qc, cv)
+    e = errors.attention_errors(
+        q, k, v, k_hat, v_hat, errors.w_o_heads(w_o, k.shape[2], d), d**-0.5
+    )
+    return e["out_err"] / e["out_ref"]
+
+
 def output_errors(acts, pairs, clips, w_o, bits, group_size=None) -> np.ndarray:
     """Relative module-output error per layer, K and V both quantized (oscar quantizer)."""
-    qc = QuantConfig(method="oscar", bits=bits, group_size=group_size)
-    out = []
-    for (q, k, v), pr, (ck, cv), wo in zip(acts, pairs, zip(*clips), w_o):
-        d = k.shape[-1]
-        f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-        k_hat = errors.roundtrip(f(k), f(pr.A_K), f(pr.B_K), qc, ck)
-        v_hat = errors.roundtrip(f(v), f(pr.A_V), f(pr.B_V), qc, cv)
-        e = errors.attention_errors(
-            f(q), f(k), f(v), k_hat, v_hat, errors.w_o_heads(f(wo), k.shape[2], d), d**-0.5
-        )
-        out.append(float(e["out_err"] / e["out_ref"]))
-    return np.asarray(out)
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return np.asarray(
+        [
+            float(
+                _layer_output_error(
+                    f(q),
+                    f(k),
+                    f(v),
+                    f(pr.A_K),
+                    f(pr.B_K),
+                    f(pr.A_V),
+                    f(pr.B_V),
+                    f(ck),
+                    f(cv),
+                    f(wo),
+                    bits=bits,
+                    group_size=group_size,
+                )
+            )
+            for (q, k, v), pr, (ck, cv), wo in zip(acts, pairs, zip(*clips), w_o)
+        ]
+    )
 
 
 def main(cfg: CalibrateConfig) -> dict:
