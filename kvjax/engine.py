@@ -87,9 +87,15 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.graphdef, self.params = nnx.split(model)
 
-        def step(params, tokens, cache):
+        def step(params, tokens, cache, transforms):
+            # Transforms travel beside the donated cache: donating them would free the
+            # caller's copy after the first step on GPU/TPU.
+            if transforms is not None:
+                cache = cache.replace(transforms=transforms)
             m = nnx.merge(self.graphdef, params)
             logits, cache = m(tokens, cache)
+            if transforms is not None:
+                cache = cache.replace(transforms=None)
             return logits[:, -1], cache
 
         self._step = jax.jit(step, donate_argnums=(2,))
@@ -113,7 +119,12 @@ class Engine:
                 )
         else:
             cache = self.manager.prepare(cache, tokens.shape[1])
-        return self._step(self.params, jnp.asarray(tokens, jnp.int32), cache)
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if self.cache_kind == "dense":
+            return self._step(self.params, tokens, cache, None)
+        tf = cache.transforms
+        logits, cache = self._step(self.params, tokens, cache.replace(transforms=None), tf)
+        return logits, cache.replace(transforms=tf)
 
     def generate(
         self,
