@@ -398,10 +398,10 @@ def print_table(summary: dict, bits: int) -> None:
     for i in range(len(errs[0])):
         print(f"| {i} | " + " | ".join(f"{e[i]:.4f}" for e in errs) + " |")
     print("| mean | " + " | ".join(f"{np.mean(e):.4f}" for e in errs) + " |")
-    print(
-        f"statistics pass: {summary['stats_tokens_per_s']:.0f} tokens/s; "
-        f"total {summary['seconds']:.0f}s"
-    )
+    rate = summary["stats_tokens_per_s"]
+    # NaN rate: every batch came from saved statistics (or only the compile batch ran).
+    stats_note = "resumed from saved statistics" if np.isnan(rate) else f"{rate:.0f} tokens/s"
+    print(f"statistics pass: {stats_note}; total {summary['seconds']:.0f}s")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
