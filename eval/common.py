@@ -202,10 +202,9 @@ class WindowedQuantCache:
         tf, cfg = self.transforms, self.cfg
         hkv = k.shape[2]
         # The stored frames, as the paged cache forms them: k A_K, v A_V, q B_K^T.
-        k_t = jnp.einsum("BTKH,KHJ->BTKJ", k.astype(jnp.float32), tf.a_k[layer])
-        v_t = jnp.einsum("BTKH,KHJ->BTKJ", v.astype(jnp.float32), tf.a_v[layer])
-        qg = split_heads_by_group(q.astype(jnp.float32), hkv)  # [B, T, K, G, H]
-        q_t = jnp.einsum("BTKGH,KJH->BTKGJ", qg, tf.b_k[layer])  # [B, T, K, G, J]
+        k_t = tf.keys_to_stored(layer, k)
+        v_t = tf.values_to_stored(layer, v)
+        q_t = split_heads_by_group(tf.queries_to_key_frame(layer, q), hkv)  # [B, T, K, G, J]
         k_lo = _roundtrip_stored(k_t, cfg.quant, tf.clip_k[layer])
         v_lo = _roundtrip_stored(v_t, cfg.value_quant, tf.clip_v[layer])
 
@@ -220,9 +219,7 @@ class WindowedQuantCache:
         p = jax.nn.softmax(s, axis=-1)
         o = jnp.einsum("BKGTS,BSKH->BTKGH", jnp.where(low, 0.0, p), v_t)
         o = o + jnp.einsum("BKGTS,BSKH->BTKGH", jnp.where(low, p, 0.0), v_lo)
-        if not tf.values_folded:
-            o = jnp.einsum("BTKGH,KHJ->BTKGJ", o, tf.b_v[layer])
-        return o.reshape(q.shape).astype(jnp.float32), self
+        return tf.outputs_from_value_frame(layer, o.reshape(q.shape)), self
 
     def advance(self, num_tokens: int) -> WindowedQuantCache:
         return self.replace(lengths=self.lengths + num_tokens)

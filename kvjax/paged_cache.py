@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.attention import grouped_attention, split_heads_by_group
+from kvjax.attention import grouped_attention
 from kvjax.config import ModelConfig
 from kvjax.quantizers import QuantConfig, QuantizedArray, dequantize, quantize
 from kvjax.transforms import KVTransforms
@@ -210,10 +210,9 @@ class PagedKVCache:
         if plan.new_fp_dst.shape != (b, t):
             raise ValueError(f"plan made for {plan.new_fp_dst.shape} tokens, got {q.shape=}")
         # Move everything into the stored frames: k A_K, v A_V, q B_K^T.
-        k_t = jnp.einsum("BTKH,KHJ->BTKJ", k.astype(jnp.float32), tf.a_k[layer])
-        v_t = jnp.einsum("BTKH,KHJ->BTKJ", v.astype(jnp.float32), tf.a_v[layer])
-        qg = split_heads_by_group(q.astype(jnp.float32), k.shape[2])  # [B, T, K, G, H]
-        q_t = jnp.einsum("BTKGH,KJH->BTKGJ", qg, tf.b_k[layer]).reshape(q.shape)
+        k_t = tf.keys_to_stored(layer, k)
+        v_t = tf.values_to_stored(layer, v)
+        q_t = tf.queries_to_key_frame(layer, q)
 
         # New tokens that stay full precision go into fp pages now (decode reads them there).
         k_fp = _scatter_tokens(pools.k_fp, plan.new_fp_dst, k_t)
@@ -223,10 +222,8 @@ class PagedKVCache:
         if use_kernel:  # the kernel moves q into the key frame and applies B_V itself
             o = self._pallas_decode(layer, q, k_fp, v_fp)
         else:
-            o = self._reference_attend(pools, q_t, k_t, v_t, positions)  # value frame
-            if not tf.values_folded:
-                og = split_heads_by_group(o, k.shape[2])
-                o = jnp.einsum("BTKGH,KHJ->BTKGJ", og, tf.b_v[layer]).reshape(o.shape)
+            o_t = self._reference_attend(pools, q_t, k_t, v_t, positions)  # value frame
+            o = tf.outputs_from_value_frame(layer, o_t)
 
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
         # bits (long prefill chunks), are quantized into low-bit pages.

@@ -72,6 +72,31 @@ class KVTransforms:
                     f"{name} has shape {getattr(self, name).shape}, want ({cfg.num_layers},)"
                 )
 
+    # ---- moving activations between the model frame and the stored frame ----------------
+    def keys_to_stored(self, layer: int, k: jax.Array) -> jax.Array:
+        """k A_K per KV head: f[B, T, Hkv, d] -> f32[B, T, Hkv, d]."""
+        return jnp.einsum("BTKH,KHJ->BTKJ", k.astype(jnp.float32), self.a_k[layer])
+
+    def values_to_stored(self, layer: int, v: jax.Array) -> jax.Array:
+        """v A_V per KV head: f[B, T, Hkv, d] -> f32[B, T, Hkv, d]."""
+        return jnp.einsum("BTKH,KHJ->BTKJ", v.astype(jnp.float32), self.a_v[layer])
+
+    def queries_to_key_frame(self, layer: int, q: jax.Array) -> jax.Array:
+        """q B_K^T per query head (its KV head's B_K): f[B, T, Hq, d] -> f32[B, T, Hq, d]."""
+        b, t, hq, d = q.shape
+        hkv = self.b_k.shape[1]
+        qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+        return jnp.einsum("BTKGH,KJH->BTKGJ", qg, self.b_k[layer]).reshape(q.shape)
+
+    def outputs_from_value_frame(self, layer: int, o: jax.Array) -> jax.Array:
+        """o B_V per query head (identity once folded): f[B, T, Hq, d] -> f32[B, T, Hq, d]."""
+        if self.values_folded:
+            return o.astype(jnp.float32)
+        b, t, hq, d = o.shape
+        hkv = self.b_v.shape[1]
+        og = o.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+        return jnp.einsum("BTKGH,KHJ->BTKGJ", og, self.b_v[layer]).reshape(o.shape)
+
     def with_values_folded(self) -> KVTransforms:
         """The same transforms with the value pair replaced by identity (after folding)."""
         eye = jnp.broadcast_to(jnp.eye(self.a_v.shape[-1], dtype=self.a_v.dtype), self.a_v.shape)
