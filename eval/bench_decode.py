@@ -207,13 +207,13 @@ def _dense_attention(q, k, v, sm_scale):
 LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_pallas": (2, {}, {}),
     "int4_pallas": (4, {}, {}),
-    # Inner-loop strategies (`DecodeConfig.unpack` / `int_to_float`); the GPU default is
-    # planes + exponent.
-    "int2_planes_convert": (2, dict(unpack="planes", int_to_float="convert"), {}),
-    "int2_planes_exponent": (2, dict(unpack="planes", int_to_float="exponent"), {}),
-    "int2_full_convert": (2, dict(unpack="full", int_to_float="convert"), {}),
-    "int2_full_exponent": (2, dict(unpack="full", int_to_float="exponent"), {}),
-    "int4_full_convert": (4, dict(unpack="full", int_to_float="convert"), {}),
+    # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float`); the GPU default is
+    # rows + asm. pages + exponent was the default of runs 5-6.
+    "int2_rows_exponent": (2, dict(gather="rows", int_to_float="exponent"), {}),
+    "int2_rows_convert": (2, dict(gather="rows", int_to_float="convert"), {}),
+    "int2_pages_asm": (2, dict(gather="pages", int_to_float="asm"), {}),
+    "int2_pages_exponent": (2, dict(gather="pages", int_to_float="exponent"), {}),
+    "int4_pages_exponent": (4, dict(gather="pages", int_to_float="exponent"), {}),
     # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
     "int2_fp_segment_only": (2, {}, dict(q_len=0)),

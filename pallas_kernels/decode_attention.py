@@ -71,14 +71,19 @@ class DecodeConfig:
       has_query_transform / has_value_inverse: whether the optional matrices are given to
         the split body (the GPU path applies them in separate prologue/epilogue kernels and
         passes ``False`` here).
-      unpack: how a low-bit tile meets the tensor cores. ``"planes"``: ``n`` dots of width
-        ``d/n`` per tile, one per code plane (``n_chunks = n``). ``"full"``: the planes are
-        stacked into one ``[T, d]`` tile by a broadcast shift and a reshape, so keys and values
-        each need ONE dot per tile (``n_chunks = 1``).
+      gather: how the GPU body reads a block of low-bit pages. ``"rows"``: one 2-D pointer
+        gather per tile (keys loaded already transposed, ``[d/n, T]``), so no reshape or
+        transpose sits between the load and the dot and Triton can load the packed bytes
+        straight into the tensor-core operand layout and unpack them there. ``"pages"``:
+        gather ``[pages, page, d/n]`` and reshape (the first kernel; the reshape and the key
+        transpose force each unpacked float16 plane through shared memory). The TPU body
+        reads one page per grid step and takes ``"pages"`` only.
       int_to_float: how codes become float16 dot operands. ``"convert"``: an int->float
         convert. ``"exponent"``: OR the code into the mantissa of float16 1024.0
-        (``0x6400 | c`` is ``1024 + c`` exactly) and subtract 1024, which uses integer-logic and
-        half-precision add units instead of the slower conversion unit.
+        (``0x6400 | c`` is ``1024 + c`` exactly) and subtract 1024, in 16-bit integer and
+        half-precision ops. ``"asm"`` (GPU only): the same trick two codes per 32-bit
+        instruction in inline PTX (`pallas_kernels.gpu.decode_attention`); in interpret mode it
+        runs the ``"exponent"`` twin, which yields the identical float16 values.
     """
 
     head_dim: int
@@ -91,7 +96,7 @@ class DecodeConfig:
     pages_per_block: int
     has_query_transform: bool
     has_value_inverse: bool
-    unpack: str = "planes"
+    gather: str = "pages"
     int_to_float: str = "convert"
 
     @property
@@ -166,15 +171,17 @@ def tile_group_sums(
 def tile_lowbit_logits(
     q_chunks16: list[jax.Array],  # n x f16[Gp, d/n]
     q_sums: list[jax.Array],  # num_groups x f32[Gp]
-    planes: list[jax.Array],  # n x f16[T, d/n] code planes (small integers)
+    planes: list[jax.Array],  # n x f16[T, d/n] code planes (small integers), or [d/n, T]
     scales: list[jax.Array],  # num_groups x f32[1, T], zero where the token is invalid
     zeros: list[jax.Array],  # num_groups x f32[1, T], zero where the token is invalid
     plane_group: tuple[int, ...],
+    keys_transposed: bool = False,  # planes are [d/n, T] (loaded transposed)
 ) -> jax.Array:  # f32[Gp, T] = q . k_hat
     """``q . k_hat = sum_g s_g (q_g . c_g) - s_g z_g sum(q_g)``: n plain dots, then scales."""
+    dot = _dot_nn if keys_transposed else _dot_nt
     raw: list[jax.Array | None] = [None] * len(scales)
     for i, plane in enumerate(planes):
-        r = _dot_nt(q_chunks16[i], plane)  # [Gp, T]
+        r = dot(q_chunks16[i], plane)  # [Gp, T]
         g = plane_group[i]
         raw[g] = r if raw[g] is None else raw[g] + r
     out = None
@@ -226,107 +233,41 @@ def tile_softmax_step(
     return p, m_new, alpha, l_new
 
 
-INT_TO_FLOAT = ("convert", "exponent")
-UNPACK_MODES = ("planes", "full")
+INT_TO_FLOAT = ("convert", "exponent", "asm")
 # float16 1024.0: exponent 10, empty mantissa. Its ulp is 1, so ``bits | 0x6400`` is
 # ``1024 + code`` exactly for any code below 1024.
 _F16_1024_BITS = 0x6400
 
 
 def codes_to_f16(
-    codes: jax.Array,  # i32[...] small non-negative integers (< 1024)
+    codes: jax.Array,  # int[...] small non-negative integers (< 1024)
     int_to_float: str = "convert",
 ) -> jax.Array:  # f16[...] the same integers, exactly
-    """Small integer codes as exact float16 (see `DecodeConfig.int_to_float`)."""
+    """Small integer codes as exact float16 (see `DecodeConfig.int_to_float`).
+
+    ``"exponent"`` works in int16 (pass int16 codes inside kernels: a narrowing cast would
+    stop Triton from moving the operand-layout conversion up to the load).
+    """
     if int_to_float == "convert":
         return codes.astype(CODE_DOT_DTYPE)
     if int_to_float != "exponent":
-        raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
-    half_bits = (codes | _F16_1024_BITS).astype(jnp.int16)
+        raise ValueError(f"int_to_float={int_to_float!r} must be 'convert' or 'exponent' here")
+    half_bits = codes.astype(jnp.int16) | jnp.asarray(_F16_1024_BITS, jnp.int16)
     return lax.bitcast_convert_type(half_bits, CODE_DOT_DTYPE) - jnp.asarray(1024, CODE_DOT_DTYPE)
 
 
 def unpack_tile_planes(
-    packed: jax.Array,  # u8[T, d/n]
+    packed: jax.Array,  # u8[..., m] packed bytes of a tile (either orientation)
     bits: int,
     int_to_float: str = "convert",
-) -> list[jax.Array]:  # n x f16[T, d/n]
-    """Code planes of a tile as exact small-integer float16 (via `layout.unpack_planes`)."""
-    planes = layout.unpack_planes(packed.astype(jnp.int32), bits)
-    return [codes_to_f16(c, int_to_float) for c in planes]
+) -> list[jax.Array]:  # n x f16[..., m]
+    """Code planes of a tile as exact small-integer float16 (via `layout.unpack_planes`).
 
-
-def unpack_tile_full(
-    packed: jax.Array,  # u8[T, d/n]
-    bits: int,
-    int_to_float: str = "convert",
-) -> jax.Array:  # f16[T, d] codes in channel order
-    """The whole ``[T, d]`` code tile in one piece, for a single full-width dot.
-
-    Follows the planar rule of `pallas_kernels.layout` (plane ``i`` = bit field ``i * bits``
-    of every byte = channels ``[i*m, (i+1)*m)``): shifting a ``[T, 1, m]`` view by a
-    ``[1, n, 1]`` column of bit offsets yields ``[T, n, m]``, whose row-major reshape to
-    ``[T, n*m]`` is channel order. Triton has no value concatenation, so this broadcast is the
-    way to build one tile from the planes.
+    Widening only (u8 -> i32 for ``"convert"``, u8 -> i16 for ``"exponent"``), all elementwise.
     """
-    n = layout.codes_per_byte(bits)
-    t, m = packed.shape
-    x = packed.astype(jnp.int32).reshape(t, 1, m)
-    offsets = (jnp.arange(n, dtype=jnp.int32) * bits).reshape(1, n, 1)
-    codes = (x >> offsets) & ((1 << bits) - 1)  # i32[T, n, m]
-    return codes_to_f16(codes, int_to_float).reshape(t, n * m)
-
-
-def group_masks(head_dim: int, group_size: int) -> list[jax.Array] | None:
-    """bool[1, d] channel mask of each scale group, or None when one group spans ``d``."""
-    if group_size >= head_dim:
-        return None
-    ch = jnp.arange(head_dim, dtype=jnp.int32).reshape(1, head_dim) // group_size
-    return [ch == g for g in range(head_dim // group_size)]
-
-
-def tile_full_query(
-    q16: jax.Array,  # f16[Gp, d] transformed-frame query
-    masks: list[jax.Array] | None,  # from `group_masks`
-) -> tuple[list[jax.Array], list[jax.Array]]:  # (ng x f16[Gp, d], ng x f32[Gp])
-    """Per scale group: the query with other groups' channels zeroed, and its sum."""
-    qs = [q16] if masks is None else [jnp.where(mk, q16, jnp.zeros_like(q16)) for mk in masks]
-    return qs, [jnp.sum(x.astype(jnp.float32), axis=1) for x in qs]
-
-
-def tile_lowbit_logits_full(
-    q_groups: list[jax.Array],  # ng x f16[Gp, d] (`tile_full_query`)
-    q_sums: list[jax.Array],  # ng x f32[Gp]
-    codes: jax.Array,  # f16[T, d]
-    scales: list[jax.Array],  # ng x f32[1, T], zero where the token is invalid
-    zeros: list[jax.Array],  # ng x f32[1, T], zero where the token is invalid
-) -> jax.Array:  # f32[Gp, T] = q . k_hat
-    """`tile_lowbit_logits` with one full-width dot per scale group (one in total for G = d)."""
-    out = None
-    for qg, qs, s, z in zip(q_groups, q_sums, scales, zeros):
-        term = s * _dot_nt(qg, codes) - (s * z) * qs[:, None]
-        out = term if out is None else out + term
-    return out
-
-
-def tile_lowbit_values_full(
-    p: jax.Array,  # f32[Gp, T] unnormalised probabilities, zero on invalid tokens
-    codes: jax.Array,  # f16[T, d]
-    scales: list[jax.Array],  # ng x f32[1, T]
-    zeros: list[jax.Array],  # ng x f32[1, T]
-    masks: list[jax.Array] | None,  # from `group_masks`
-) -> jax.Array:  # f32[Gp, d]
-    """`tile_lowbit_values` with one full-width dot per scale group; group ``g``'s dot is kept
-    on its own channels only."""
-    out = None
-    for g, (s, z) in enumerate(zip(scales, zeros)):
-        w = (p * s).astype(CODE_DOT_DTYPE)  # [Gp, T]
-        corr = jnp.sum(w.astype(jnp.float32) * z, axis=1)  # rounded weights, as the dot sees
-        up = _dot_nn(w, codes) - corr[:, None]
-        if masks is not None:
-            up = jnp.where(masks[g], up, 0.0)
-        out = up if out is None else out + up
-    return out
+    wide = jnp.int32 if int_to_float == "convert" else jnp.int16
+    planes = layout.unpack_planes(packed.astype(wide), bits)
+    return [codes_to_f16(c, int_to_float) for c in planes]
 
 
 # ------------------------------------------------------------------------------------------
@@ -750,7 +691,7 @@ def decode_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("unpack", "int_to_float"))
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float"))
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]
     k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
@@ -776,15 +717,15 @@ def decode_attention_variant(
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    unpack: str | None = None,
+    gather: str | None = None,
     int_to_float: str | None = None,
 ) -> jax.Array:  # f32[B, Hq, d]
     """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
 
     Args:
-      unpack, int_to_float: see `DecodeConfig`; ``None`` takes the backend's defaults
-        (``DEFAULT_UNPACK`` / ``DEFAULT_INT_TO_FLOAT`` of the backend module). The TPU body
-        supports ``unpack="planes"`` only.
+      gather, int_to_float: see `DecodeConfig`; ``None`` takes the backend's defaults
+        (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` of the backend module; the modes a
+        backend supports are its ``GATHER_MODES`` / ``INT_TO_FLOAT``).
       Others: as in `decode_attention`.
     """
     dims = _validate(
@@ -807,12 +748,14 @@ def decode_attention_variant(
     )
     _check_kernel_shapes(dims, bits, pages_per_block, backend)
     mod = _backend_module(backend)
-    unpack = mod.DEFAULT_UNPACK if unpack is None else unpack
+    gather = mod.DEFAULT_GATHER if gather is None else gather
     int_to_float = mod.DEFAULT_INT_TO_FLOAT if int_to_float is None else int_to_float
-    if unpack not in mod.UNPACK_MODES:
-        raise ValueError(f"unpack={unpack!r} must be one of {mod.UNPACK_MODES} for {backend=}")
-    if int_to_float not in INT_TO_FLOAT:
-        raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
+    if gather not in mod.GATHER_MODES:
+        raise ValueError(f"gather={gather!r} must be one of {mod.GATHER_MODES} for {backend=}")
+    if int_to_float not in mod.INT_TO_FLOAT:
+        raise ValueError(
+            f"int_to_float={int_to_float!r} must be one of {mod.INT_TO_FLOAT} for {backend=}"
+        )
     unit = pages_per_block if backend == "gpu" else 1
     if num_splits is None:
         num_splits = _auto_splits(dims["b"], dims["hkv"], q_page_table.shape[1], pages_per_block)
@@ -824,14 +767,14 @@ def decode_attention_variant(
         head_dim=dims["d"],
         page_size=dims["page"],
         group_pad=qg.shape[2],
-        n_chunks=1 if unpack == "full" else layout.codes_per_byte(bits),
+        n_chunks=layout.codes_per_byte(bits),
         bits=bits,
         group_size=dims["group_size"],
         scale_log2=float(sm_scale) * LOG2E,
         pages_per_block=unit,
         has_query_transform=query_transform is not None and not hoist,
         has_value_inverse=value_inverse is not None and not hoist,
-        unpack=unpack,
+        gather=gather,
         int_to_float=int_to_float,
     )
     f32 = jnp.float32

@@ -4,8 +4,21 @@ Grid ``(B, Hkv, S)``: one program per (sequence, KV head, split). The program re
 head's pages once for the whole (padded) query group, which is the M dimension of every
 tensor-core dot. Pages are gathered ``pages_per_block`` at a time straight from the pools
 through the page table (a pointer gather), so packed codes are unpacked in registers and never
-materialised as BF16 in device memory. Triton specifics (gathers, launch knobs, the 16-row
-minimum of a dot) live here; the per-tile math is shared with the TPU body.
+materialised as BF16 in device memory. Triton specifics (gathers, inline PTX, launch knobs,
+the 16-row minimum of a dot) live here; the per-tile math is shared with the TPU body.
+
+What keeps the low-bit loop cheap (``gather="rows"``, ``int_to_float="asm"``, the defaults):
+
+* One 2-D pointer gather per tile, keys loaded already transposed (``[d/n, T]``), values
+  ``[T, d/n]``. With nothing but elementwise ops between a load and its dot, Triton's
+  dot-operand pass moves the operand-layout conversion up to the packed bytes: the uint8
+  tile goes through shared memory (1 byte per 4 codes) instead of each unpacked float16
+  plane (8 bytes per 4 codes), and the unpack runs in the operand registers.
+* Inline PTX turns 4 packed bytes into one plane's 4 float16 codes with 2 ``prmt`` (shared
+  by the planes), 2 ``lop3`` and 2 ``fma.f16x2``: two codes per 32-bit instruction instead
+  of one shift/mask/convert chain per code. ``lop3`` leaves plane ``i`` in place as
+  ``1024 + 2**(i*bits) * c`` (float16 bits ``0x6400 | field``) and the ``fma`` scales it back
+  to ``c`` exactly.
 
 The query transform and the value inverse are not applied per split program: `head_matmul`
 runs them once per (sequence, KV head) as a small prologue kernel on the query and an epilogue
@@ -19,23 +32,74 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import decode_attention as da
+from pallas_kernels import layout
 
 # Triton's tensor-core dot needs M >= 16, so the query group is padded to at least 16 rows.
 MIN_GROUP_PAD = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True
-UNPACK_MODES = ("planes", "full")
-# Measured on an H200 (results/bench_decode_h200_run4.json, 8 x 128k, int2): planes+exponent
-# 1.19 ms, planes+convert 1.24 ms, full+convert 1.52 ms, full+exponent 1.58 ms. Building the
-# full [T, d] tile costs more (the reshape of the stacked planes is a layout conversion) than
-# the n-1 extra narrow dots it saves.
-DEFAULT_UNPACK = "planes"
-DEFAULT_INT_TO_FLOAT = "exponent"
+GATHER_MODES = ("rows", "pages")
+INT_TO_FLOAT = ("convert", "exponent", "asm")
+DEFAULT_GATHER = "rows"
+DEFAULT_INT_TO_FLOAT = "asm"
+
+
+def _f16_bits(x: float) -> int:
+    return int(np.asarray(x, np.float16).view(np.uint16))
+
+
+def _plane_asm(bits: int, plane: int) -> str:
+    """PTX for one code plane of 4 packed bytes ($2) -> 4 float16 codes ($0: bytes 0-1,
+    $1: bytes 2-3; the low half of a register is the lower-numbered element)."""
+    shift = plane * bits
+    mask = ((1 << bits) - 1) << shift
+    scale, bias = _f16_bits(2.0**-shift), _f16_bits(-1024.0 * 2.0**-shift)
+    pair = lambda v: f"0x{(v << 16) | v:08x}"  # noqa: E731
+    return (
+        "{ .reg .b32 lo, hi, s, c; "
+        "prmt.b32 lo, $2, 0, 0x4140; "  # bytes 0, 1 -> low byte of each 16-bit half
+        "prmt.b32 hi, $2, 0, 0x4342; "  # bytes 2, 3
+        f"lop3.b32 lo, lo, {pair(mask)}, 0x64006400, 0xea; "  # (x & mask) | 0x6400
+        f"lop3.b32 hi, hi, {pair(mask)}, 0x64006400, 0xea; "
+        f"mov.b32 s, {pair(scale)}; "
+        f"mov.b32 c, {pair(bias)}; "
+        "fma.rn.f16x2 $0, lo, s, c; "  # (1024 + 2^shift c) 2^-shift - 1024 2^-shift = c
+        "fma.rn.f16x2 $1, hi, s, c; }"
+    )
+
+
+def unpack_planes(
+    packed: jax.Array,  # u8[..., m] a tile of packed bytes
+    bits: int,
+    int_to_float: str,
+    interpret: bool,
+) -> list[jax.Array]:  # n x f16[..., m]
+    """`da.unpack_tile_planes`, with the inline-PTX ``"asm"`` mode for the GPU.
+
+    In interpret mode ``"asm"`` runs the ``"exponent"`` twin (PTX cannot run on the CPU); both
+    produce the same exact float16 integers.
+    """
+    if int_to_float != "asm":
+        return da.unpack_tile_planes(packed, bits, int_to_float)
+    if interpret:
+        return da.unpack_tile_planes(packed, bits, "exponent")
+    out = jax.ShapeDtypeStruct(packed.shape, da.CODE_DOT_DTYPE)
+    return [
+        plgpu.elementwise_inline_asm(
+            _plane_asm(bits, i),
+            args=[packed],
+            constraints="=r,=r,r",
+            pack=4,
+            result_shape_dtypes=[out],
+        )[0]
+        for i in range(layout.codes_per_byte(bits))
+    ]
 
 
 def _valid(tok0, length, t: int):
@@ -51,11 +115,9 @@ def _n_blocks(length, start, tokens_per_block: int, max_blocks: int):
     return jnp.clip(n, 0, max_blocks)
 
 
-def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool):
+def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
     it = iter(refs)
-    q_ref = next(it)  # f32[Gp, d]
-    qt_ref = next(it) if cfg.has_query_transform else None  # f32[d, d]
-    vi_ref = next(it) if cfg.has_value_inverse else None  # f32[d, d]
+    q_ref = next(it)  # f32[Gp, d], already in the transformed frame (see `head_matmul`)
     kfp_ref, vfp_ref, fptab_ref, fplen_ref = (next(it) for _ in range(4))
     if has_lowbit:
         kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref, qtab_ref, qlen_ref = (
@@ -69,14 +131,8 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool):
     gp = cfg.group_pad
     split = pl.program_id(2)
 
-    q = q_ref[...]  # f32[Gp, d]
-    if qt_ref is not None:
-        q_full = da._dot_nn(q, qt_ref[...], precision=jax.lax.Precision.HIGHEST)
-        cols = [qt_ref[:, pl.ds(i * w, w)] for i in range(n)]  # n x [d, w]
-        q_chunks = da.tile_query_chunks(q, cols, None)
-    else:
-        q_full = q
-        q_chunks = [q_ref[:, pl.ds(i * w, w)] for i in range(n)]
+    q_full = q_ref[...]  # f32[Gp, d]
+    q_chunks = [q_ref[:, pl.ds(i * w, w)] for i in range(n)]
 
     m_i = jnp.full((gp,), da.NEG_INF, jnp.float32)
     l_i = jnp.zeros((gp,), jnp.float32)
@@ -111,70 +167,63 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool):
     # ---- low-bit pages ----------------------------------------------------------------------
     if has_lowbit:
         ng = cfg.num_groups
-        q16 = q_full.astype(da.CODE_DOT_DTYPE)
+        pg = cfg.plane_group
         q_len = qlen_ref[0]
         q_pps = qtab_ref.shape[0]
         q_start = split * q_pps * page
         mw = cfg.packed_width
-        full = cfg.unpack == "full"
-        if full:
-            masks = da.group_masks(d, cfg.group_size)
-            q_groups, q_sums = da.tile_full_query(q16, masks)
-        else:
-            pg = cfg.plane_group
-            q_chunks16 = [c.astype(da.CODE_DOT_DTYPE) for c in q_chunks]
-            q_sums = da.tile_group_sums(q_chunks16, pg, ng)
+        rows_mode = cfg.gather == "rows"
+        q_chunks16 = [c.astype(da.CODE_DOT_DTYPE) for c in q_chunks]
+        q_sums = da.tile_group_sums(q_chunks16, pg, ng)
+        rows = jnp.arange(t, dtype=jnp.int32)
+        row_page, row_slot = rows // page, rows % page  # block-relative page, slot in page
+        cols = jnp.arange(mw, dtype=jnp.int32)
 
-        def meta(ref, pages, vrow):
+        def unpack(x):
+            return unpack_planes(x, cfg.bits, cfg.int_to_float, interpret)
+
+        def meta(ref, phys, pages, vrow):
             # Per-group [1, T] rows; masked with where so NaN in unused slots cannot leak.
             out = []
             for g in range(ng):
-                x = ref[pages, :, g].reshape(1, t).astype(jnp.float32)
-                out.append(jnp.where(vrow, x, 0.0))
+                if rows_mode:
+                    x = ref[phys, row_slot, g].reshape(1, t)
+                else:
+                    x = ref[pages, :, g].reshape(1, t)
+                out.append(jnp.where(vrow, x.astype(jnp.float32), 0.0))
             return out
 
         def q_body(j, carry):
             m_prev, l_prev, acc = carry
-            pages = qtab_ref[pl.ds(j * ppb, ppb)]
+            pages = qtab_ref[pl.ds(j * ppb, ppb)]  # i32[ppb]
+            phys = qtab_ref[j * ppb + row_page]  # i32[T] physical page of each row
             tok0 = q_start + j * t
             vrow, _ = _valid(tok0, q_len, t)
-            ks, kz = meta(ks_ref, pages, vrow), meta(kz_ref, pages, vrow)
-            kpacked = kc_ref[pages].reshape(t, mw)
-            if full:
-                kcodes = da.unpack_tile_full(kpacked, cfg.bits, cfg.int_to_float)
-                logits = da.tile_lowbit_logits_full(q_groups, q_sums, kcodes, ks, kz)
+            ks, kz = meta(ks_ref, phys, pages, vrow), meta(kz_ref, phys, pages, vrow)
+            if rows_mode:
+                kpacked = kc_ref[phys[None, :], row_slot[None, :], cols[:, None]]  # u8[mw, T]
             else:
-                kplanes = da.unpack_tile_planes(kpacked, cfg.bits, cfg.int_to_float)
-                logits = da.tile_lowbit_logits(q_chunks16, q_sums, kplanes, ks, kz, pg)
+                kpacked = kc_ref[pages].reshape(t, mw)
+            logits = da.tile_lowbit_logits(
+                q_chunks16, q_sums, unpack(kpacked), ks, kz, pg, keys_transposed=rows_mode
+            )
             p, m_new, alpha, l_new = da.tile_softmax_step(
                 logits * cfg.scale_log2, vrow, m_prev, l_prev
             )
-            vs, vz = meta(vs_ref, pages, vrow), meta(vz_ref, pages, vrow)
-            vpacked = vc_ref[pages].reshape(t, mw)
-            if full:
-                vcodes = da.unpack_tile_full(vpacked, cfg.bits, cfg.int_to_float)
-                ups = [da.tile_lowbit_values_full(p, vcodes, vs, vz, masks)]
+            vs, vz = meta(vs_ref, phys, pages, vrow), meta(vz_ref, phys, pages, vrow)
+            if rows_mode:
+                vpacked = vc_ref[phys[:, None], row_slot[:, None], cols[None, :]]  # u8[T, mw]
             else:
-                vplanes = da.unpack_tile_planes(vpacked, cfg.bits, cfg.int_to_float)
-                ups = da.tile_lowbit_values(p, vplanes, vs, vz, pg)
+                vpacked = vc_ref[pages].reshape(t, mw)
+            ups = da.tile_lowbit_values(p, unpack(vpacked), vs, vz, pg)
             new = tuple(acc[i] * alpha[:, None] + ups[i] for i in range(n))
             return m_new, l_new, new
 
         nb = _n_blocks(q_len, q_start, t, q_pps // ppb)
         m_i, l_i, accs = jax.lax.fori_loop(0, nb, q_body, (m_i, l_i, accs))
 
-    # ---- value inverse on the partial output (linear, so it commutes with the merge) -------
-    if vi_ref is not None:
-        out = None
-        for i in range(n):
-            part = da._dot_nn(
-                accs[i], vi_ref[pl.ds(i * w, w), :], precision=jax.lax.Precision.HIGHEST
-            )
-            out = part if out is None else out + part
-        o_ref[...] = out
-    else:
-        for i in range(n):
-            o_ref[:, pl.ds(i * w, w)] = accs[i]
+    for i in range(n):
+        o_ref[:, pl.ds(i * w, w)] = accs[i]
     m_ref[...] = m_i
     l_ref[...] = l_i
 
@@ -191,7 +240,13 @@ def paged_decode(
     num_warps: int | None,
     num_stages: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Runs the split kernel; returns (acc f32[B,Hkv,S,Gp,d], m, l f32[B,Hkv,S,Gp])."""
+    """Runs the split kernel; returns (acc f32[B,Hkv,S,Gp,d], m, l f32[B,Hkv,S,Gp]).
+
+    The transforms are applied by `head_matmul` around this kernel (``HOISTS_TRANSFORMS``),
+    so ``query_transform`` and ``value_inverse`` must be None here.
+    """
+    if query_transform is not None or value_inverse is not None:
+        raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     b, hkv, gp, d = qg.shape
     k_fp, v_fp, fp_tab, fp_len = fp_set
     s = fp_tab.shape[1]
@@ -204,14 +259,9 @@ def paged_decode(
         return pl.BlockSpec((None, None, tab.shape[2]), lambda bi, h, si: (bi, si, 0))
 
     len_spec = pl.BlockSpec((None, 1), lambda bi, h, si: (bi, 0))
-    mat_spec = pl.BlockSpec((None, d, d), lambda bi, h, si: (h, 0, 0))
 
     args = [qg]
     specs = [pl.BlockSpec((None, None, gp, d), lambda bi, h, si: (bi, h, 0, 0))]
-    for mat in (query_transform, value_inverse):
-        if mat is not None:
-            args.append(mat)
-            specs.append(mat_spec)
     args += [k_fp, v_fp, fp_tab, fp_len.reshape(b, 1)]
     specs += [pool_spec(k_fp), pool_spec(v_fp), table_spec(fp_tab), len_spec]
     if lowbit_set is not None:
@@ -220,7 +270,9 @@ def paged_decode(
         specs += [pool_spec(a) for a in (kc, vc, ks, kz, vs, vz)]
         specs += [table_spec(q_tab), len_spec]
 
-    kernel = functools.partial(_kernel, cfg=cfg, has_lowbit=lowbit_set is not None)
+    kernel = functools.partial(
+        _kernel, cfg=cfg, has_lowbit=lowbit_set is not None, interpret=interpret
+    )
     name = "paged_decode_" + ("bf16" if lowbit_set is None else f"int{cfg.bits}")
     return pl.pallas_call(
         kernel,

@@ -23,8 +23,9 @@ from pallas_kernels import decode_attention as da
 MIN_GROUP_PAD = 8
 # The Mosaic body applies the transforms per split program and dots one code plane at a time.
 HOISTS_TRANSFORMS = False
-UNPACK_MODES = ("planes",)
-DEFAULT_UNPACK = "planes"
+GATHER_MODES = ("pages",)  # one page per grid step through BlockSpecs
+INT_TO_FLOAT = ("convert", "exponent")
+DEFAULT_GATHER = "pages"
 DEFAULT_INT_TO_FLOAT = "convert"
 
 

@@ -273,15 +273,23 @@ class TestDecodeAttention:
         ]
         np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), atol=1e-4)
 
+    @pytest.mark.parametrize("bits", [2, 4])
     @pytest.mark.parametrize(
-        "unpack,int_to_float",
-        [("planes", "convert"), ("planes", "exponent"), ("full", "convert"), ("full", "exponent")],
+        "gather,int_to_float",
+        [
+            ("rows", "asm"),
+            ("rows", "exponent"),
+            ("rows", "convert"),
+            ("pages", "exponent"),
+            ("pages", "convert"),
+        ],
     )
-    def test_inner_loop_variants_match_reference(self, unpack: str, int_to_float: str):
-        if self.BACKEND == "tpu" and unpack == "full":
-            pytest.skip("the Mosaic body dots one code plane at a time")
-        # Two scale groups, so the full-width path's per-group masking is exercised too.
-        c = Case(head_dim=128, group_size=64, fp_lens=(20, 5), q_lens=(64, 32))
+    def test_inner_loop_variants_match_reference(self, gather: str, int_to_float: str, bits):
+        mod = da._backend_module(self.BACKEND)
+        if gather not in mod.GATHER_MODES or int_to_float not in mod.INT_TO_FLOAT:
+            pytest.skip(f"{self.BACKEND} body has no {gather=} / {int_to_float=}")
+        # Two scale groups, so per-group scales meet the right planes.
+        c = Case(head_dim=128, group_size=64, bits=bits, fp_lens=(20, 5), q_lens=(64, 32))
         x = make_inputs(c, seed=2)
         kw = dict(bits=c.bits, sm_scale=c.head_dim**-0.5)
         ref = da.ref_decode_attention(**x, **kw)
@@ -292,7 +300,7 @@ class TestDecodeAttention:
             pages_per_block=2,
             backend=self.BACKEND,
             interpret=self.INTERPRET,
-            unpack=unpack,
+            gather=gather,
             int_to_float=int_to_float,
         )
         assert _rel_err(out, ref) < TOL[c.fp_dtype]
@@ -376,20 +384,45 @@ def test_quantized_attention_error_budget(bits: int):
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("int_to_float", ["convert", "exponent"])
-def test_unpack_tile_full_is_channel_order(bits: int, int_to_float: str):
+@pytest.mark.parametrize("int_to_float", ["convert", "exponent", "asm"])
+def test_unpack_planes_are_channel_order(bits: int, int_to_float: str):
+    from pallas_kernels.gpu import decode_attention as gpu_da
+
     d, t = 128, 32
     rng = np.random.default_rng(bits)
     codes = jnp.asarray(rng.integers(0, 2**bits, (t, d)), jnp.uint8)
     packed = layout.pack_codes(codes, bits)
-    got = da.unpack_tile_full(packed, bits, int_to_float)
-    assert got.dtype == da.CODE_DOT_DTYPE and got.shape == (t, d)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(codes, np.float32))
-    planes = da.unpack_tile_planes(packed, bits, int_to_float)
-    np.testing.assert_array_equal(
-        np.concatenate([np.asarray(p, np.float32) for p in planes], axis=1),
-        np.asarray(codes, np.float32),
-    )
+    for x, axis in ((packed, 1), (packed.T, 0)):  # row tiles and transposed key tiles
+        planes = gpu_da.unpack_planes(x, bits, int_to_float, interpret=True)
+        assert all(p.dtype == da.CODE_DOT_DTYPE and p.shape == x.shape for p in planes)
+        got = np.concatenate([np.asarray(p, np.float32) for p in planes], axis=axis)
+        want = np.asarray(codes, np.float32)
+        np.testing.assert_array_equal(got if axis == 1 else got.T, want)
+
+
+def _emulate_plane_asm(packed: np.ndarray, bits: int, plane: int) -> np.ndarray:
+    """numpy model of the PTX in `_plane_asm` (prmt, lop3 0xea, fma.rn.f16x2) on 4 bytes."""
+    import re
+
+    from pallas_kernels.gpu import decode_attention as gpu_da
+
+    asm = gpu_da._plane_asm(bits, plane)
+    mask = int(re.findall(r"lop3.b32 lo, lo, (0x[0-9a-f]+)", asm)[0], 16) & 0xFFFF
+    s_bits = int(re.findall(r"mov.b32 s, (0x[0-9a-f]+)", asm)[0], 16) & 0xFFFF
+    c_bits = int(re.findall(r"mov.b32 c, (0x[0-9a-f]+)", asm)[0], 16) & 0xFFFF
+    half = (packed.astype(np.uint16) & mask) | 0x6400  # each byte in the low byte of a half
+    as_f16 = half.view(np.float16).astype(np.float64)
+    s = np.asarray(s_bits, np.uint16).view(np.float16).astype(np.float64)
+    c = np.asarray(c_bits, np.uint16).view(np.float16).astype(np.float64)
+    return (as_f16 * s + c).astype(np.float16)  # exact: the result is a small integer
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_plane_asm_model_recovers_every_code(bits: int):
+    packed = np.arange(256, dtype=np.uint8)
+    for i, want in enumerate(layout.unpack_planes(jnp.asarray(packed), bits)):
+        got = _emulate_plane_asm(packed, bits, i)
+        np.testing.assert_array_equal(got.astype(np.int32), np.asarray(want, np.int32))
 
 
 def test_exponent_trick_is_exact_for_every_code():
@@ -409,9 +442,13 @@ def test_validation_names_bad_shapes():
         da.decode_attention(**make_inputs(Case(bits=3)), bits=3, sm_scale=0.1, interpret=True)
     with pytest.raises(ValueError, match="backend"):
         da.decode_attention(**x, bits=2, sm_scale=0.1, backend="cpu", interpret=True)
-    with pytest.raises(ValueError, match="unpack='full'"):
+    with pytest.raises(ValueError, match="gather='rows'"):
         da.decode_attention_variant(
-            **x, bits=2, sm_scale=0.1, backend="tpu", interpret=True, unpack="full"
+            **x, bits=2, sm_scale=0.1, backend="tpu", interpret=True, gather="rows"
+        )
+    with pytest.raises(ValueError, match="int_to_float='asm'"):
+        da.decode_attention_variant(
+            **x, bits=2, sm_scale=0.1, backend="tpu", interpret=True, int_to_float="asm"
         )
     with pytest.raises(ValueError, match="q_len.shape"):
         da.decode_attention(**dict(x, q_len=x["q_len"][:1]), bits=2, sm_scale=0.1)
