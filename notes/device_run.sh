@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One batched device call (see notes/device_runs.md): GPU correctness, benchmark, PTX, Engine.
+# Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
+set -u
+out=$1; bench_args=$2; steps=${3:-tests,bench,ptx,engine}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__)" >> "$out/gpu.txt" 2>&1
+if [[ $steps == *tests* ]]; then
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    tests/pallas_kernels/test_decode_attention.py \
+    -k "TestDecodeAttention and not Interpret and not sweep" > "$out/tests.log" 2>&1
+  echo "tests rc=$?" >> "$out/gpu.txt"
+fi
+if [[ $steps == *bench* ]]; then
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m eval.bench_decode $bench_args --out "$out/bench_decode.json" \
+    > "$out/bench.log" 2>&1
+  echo "bench rc=$?" >> "$out/gpu.txt"
+fi
+if [[ $steps == *ptx* ]]; then
+  timeout 120 python3 notes/decode_kernel_ptx.py "$out/ptx" > "$out/ptx.log" 2>&1
+  echo "ptx rc=$?" >> "$out/gpu.txt"
+fi
+if [[ $steps == *paged* ]]; then
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/kvjax/test_paged_cache.py -k "pallas or identity" > "$out/paged_tests.log" 2>&1
+  echo "paged rc=$?" >> "$out/gpu.txt"
+fi
+if [[ $steps == *engine* ]]; then
+  timeout 200 python3 -m eval.bench_engine --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
+  echo "engine rc=$?" >> "$out/gpu.txt"
+fi
+cat "$out/gpu.txt"; tail -5 "$out/tests.log" "$out/bench.log" "$out/ptx.log" 2>/dev/null
