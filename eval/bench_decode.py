@@ -208,7 +208,9 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_pallas": (2, {}, {}),
     "int4_pallas": (4, {}, {}),
     # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float`); the GPU default is
-    # rows + asm. pages + exponent was the default of runs 5-6.
+    # prefetch + asm. pages + exponent was the default of runs 5-6.
+    "int2_rows_asm": (2, dict(gather="rows", int_to_float="asm"), {}),
+    "int2_prefetch_exponent": (2, dict(gather="prefetch", int_to_float="exponent"), {}),
     "int2_rows_exponent": (2, dict(gather="rows", int_to_float="exponent"), {}),
     "int2_rows_convert": (2, dict(gather="rows", int_to_float="convert"), {}),
     "int2_pages_asm": (2, dict(gather="pages", int_to_float="asm"), {}),
@@ -220,6 +222,8 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Launch shape.
     "int2_ppb16": (2, dict(pages_per_block=16), {}),
     "int2_ppb4": (2, dict(pages_per_block=4), {}),
+    "int2_ppb2": (2, dict(pages_per_block=2), {}),
+    "int4_ppb4": (4, dict(pages_per_block=4), {}),
     "int2_warps8": (2, dict(num_warps=8), {}),
     "int2_stages3": (2, dict(num_stages=3), {}),
     "int2_splits_x2": (2, dict(splits_factor=2), {}),

@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 VARIANTS = {
+    "prefetch_asm": dict(gather="prefetch", int_to_float="asm"),
     "rows_asm": dict(gather="rows", int_to_float="asm"),
     "rows_exponent": dict(gather="rows", int_to_float="exponent"),
     "pages_exponent": dict(gather="pages", int_to_float="exponent"),
@@ -33,8 +34,8 @@ def compile_one(name: str) -> None:
 
     from pallas_kernels import decode_attention as da
 
-    b, hq, hkv, d, page, bits = 2, 32, 8, 128, 16, 2
-    n_fp, n_q = 32, 1024
+    b, hq, hkv, d, page, bits = 8, 32, 8, 128, 16, 2
+    n_fp, n_q = 32, 16384
     k = jax.random.key(0)
     f16 = jnp.float16
     pq = b * n_q // page

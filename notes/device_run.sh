@@ -22,6 +22,15 @@ if [[ $steps == *ptx* ]]; then
   timeout 120 python3 notes/decode_kernel_ptx.py "$out/ptx" > "$out/ptx.log" 2>&1
   echo "ptx rc=$?" >> "$out/gpu.txt"
 fi
+if [[ $steps == *ncu* ]]; then
+  for v in prefetch_asm pages_exponent; do
+    timeout 120 ncu --clock-control none -k regex:paged_decode_int --launch-count 1 \
+      --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+      python3 notes/decode_kernel_ptx.py --one $v > "$out/ncu_$v.txt" 2>&1
+    echo "ncu $v rc=$?" >> "$out/gpu.txt"
+  done
+fi
 if [[ $steps == *paged* ]]; then
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/kvjax/test_paged_cache.py -k "pallas or identity" > "$out/paged_tests.log" 2>&1

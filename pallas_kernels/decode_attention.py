@@ -71,7 +71,9 @@ class DecodeConfig:
       has_query_transform / has_value_inverse: whether the optional matrices are given to
         the split body (the GPU path applies them in separate prologue/epilogue kernels and
         passes ``False`` here).
-      gather: how the GPU body reads a block of low-bit pages. ``"rows"``: one 2-D pointer
+      gather: how the GPU body reads a block of low-bit pages. ``"prefetch"``: as ``"rows"``,
+        with the next block's tiles (and the page numbers of the one after) loaded into
+        registers before the current block is computed. ``"rows"``: one 2-D pointer
         gather per tile (keys loaded already transposed, ``[d/n, T]``), so no reshape or
         transpose sits between the load and the dot and Triton can load the packed bytes
         straight into the tensor-core operand layout and unpack them there. ``"pages"``:

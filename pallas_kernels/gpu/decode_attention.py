@@ -7,7 +7,12 @@ through the page table (a pointer gather), so packed codes are unpacked in regis
 materialised as BF16 in device memory. Triton specifics (gathers, inline PTX, launch knobs,
 the 16-row minimum of a dot) live here; the per-tile math is shared with the TPU body.
 
-What keeps the low-bit loop cheap (``gather="rows"``, ``int_to_float="asm"``, the defaults):
+What keeps the low-bit loop cheap (``gather="prefetch"``, ``int_to_float="asm"``, the
+defaults):
+
+* Loads run one block ahead of the math (``"prefetch"``): each program carries the next
+  block's packed tiles and scales in registers, and the page numbers of the block after
+  that, so the dependent chain page table -> codes is never waited on at the top of a step.
 
 * One 2-D pointer gather per tile, keys loaded already transposed (``[d/n, T]``), values
   ``[T, d/n]``. With nothing but elementwise ops between a load and its dot, Triton's
@@ -44,9 +49,9 @@ MIN_GROUP_PAD = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True
-GATHER_MODES = ("rows", "pages")
+GATHER_MODES = ("prefetch", "rows", "pages")
 INT_TO_FLOAT = ("convert", "exponent", "asm")
-DEFAULT_GATHER = "rows"
+DEFAULT_GATHER = "prefetch"
 DEFAULT_INT_TO_FLOAT = "asm"
 
 
@@ -172,55 +177,79 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         q_pps = qtab_ref.shape[0]
         q_start = split * q_pps * page
         mw = cfg.packed_width
-        rows_mode = cfg.gather == "rows"
+        rows_mode = cfg.gather in ("rows", "prefetch")
         q_chunks16 = [c.astype(da.CODE_DOT_DTYPE) for c in q_chunks]
         q_sums = da.tile_group_sums(q_chunks16, pg, ng)
         rows = jnp.arange(t, dtype=jnp.int32)
         row_page, row_slot = rows // page, rows % page  # block-relative page, slot in page
         cols = jnp.arange(mw, dtype=jnp.int32)
+        max_block = q_pps // ppb - 1
 
-        def unpack(x):
-            return unpack_planes(x, cfg.bits, cfg.int_to_float, interpret)
+        def phys_of(j):  # i32[T] physical page of each row of block j
+            return qtab_ref[j * ppb + row_page]
 
-        def meta(ref, phys, pages, vrow):
-            # Per-group [1, T] rows; masked with where so NaN in unused slots cannot leak.
-            out = []
-            for g in range(ng):
-                if rows_mode:
-                    x = ref[phys, row_slot, g].reshape(1, t)
-                else:
-                    x = ref[pages, :, g].reshape(1, t)
-                out.append(jnp.where(vrow, x.astype(jnp.float32), 0.0))
-            return out
-
-        def q_body(j, carry):
-            m_prev, l_prev, acc = carry
-            pages = qtab_ref[pl.ds(j * ppb, ppb)]  # i32[ppb]
-            phys = qtab_ref[j * ppb + row_page]  # i32[T] physical page of each row
-            tok0 = q_start + j * t
-            vrow, _ = _valid(tok0, q_len, t)
-            ks, kz = meta(ks_ref, phys, pages, vrow), meta(kz_ref, phys, pages, vrow)
+        def load_block(j, phys):
+            """Raw tiles of block j: packed K [mw, T] (rows) / [T, mw] (pages), packed V
+            [T, mw], and per-group [1, T] scale/zero rows (unmasked)."""
             if rows_mode:
-                kpacked = kc_ref[phys[None, :], row_slot[None, :], cols[:, None]]  # u8[mw, T]
+                kp = kc_ref[phys[None, :], row_slot[None, :], cols[:, None]]  # u8[mw, T]
+                vp = vc_ref[phys[:, None], row_slot[:, None], cols[None, :]]  # u8[T, mw]
+                metas = tuple(
+                    tuple(ref[phys, row_slot, g].reshape(1, t) for g in range(ng))
+                    for ref in (ks_ref, kz_ref, vs_ref, vz_ref)
+                )
             else:
-                kpacked = kc_ref[pages].reshape(t, mw)
+                pages = qtab_ref[pl.ds(j * ppb, ppb)]  # i32[ppb]
+                kp = kc_ref[pages].reshape(t, mw)
+                vp = vc_ref[pages].reshape(t, mw)
+                metas = tuple(
+                    tuple(ref[pages, :, g].reshape(1, t) for g in range(ng))
+                    for ref in (ks_ref, kz_ref, vs_ref, vz_ref)
+                )
+            return kp, vp, metas
+
+        def attend_block(j, blk, carry):
+            m_prev, l_prev, acc = carry
+            kp, vp, metas = blk
+            vrow, _ = _valid(q_start + j * t, q_len, t)
+            # Masked with where so NaN in unused slots' scales/zeros cannot leak.
+            ks, kz, vs, vz = (
+                [jnp.where(vrow, x.astype(jnp.float32), 0.0) for x in rows_of] for rows_of in metas
+            )
+            planes = unpack_planes(kp, cfg.bits, cfg.int_to_float, interpret)
             logits = da.tile_lowbit_logits(
-                q_chunks16, q_sums, unpack(kpacked), ks, kz, pg, keys_transposed=rows_mode
+                q_chunks16, q_sums, planes, ks, kz, pg, keys_transposed=rows_mode
             )
             p, m_new, alpha, l_new = da.tile_softmax_step(
                 logits * cfg.scale_log2, vrow, m_prev, l_prev
             )
-            vs, vz = meta(vs_ref, phys, pages, vrow), meta(vz_ref, phys, pages, vrow)
-            if rows_mode:
-                vpacked = vc_ref[phys[:, None], row_slot[:, None], cols[None, :]]  # u8[T, mw]
-            else:
-                vpacked = vc_ref[pages].reshape(t, mw)
-            ups = da.tile_lowbit_values(p, unpack(vpacked), vs, vz, pg)
-            new = tuple(acc[i] * alpha[:, None] + ups[i] for i in range(n))
-            return m_new, l_new, new
+            planes = unpack_planes(vp, cfg.bits, cfg.int_to_float, interpret)
+            ups = da.tile_lowbit_values(p, planes, vs, vz, pg)
+            return m_new, l_new, tuple(acc[i] * alpha[:, None] + ups[i] for i in range(n))
 
         nb = _n_blocks(q_len, q_start, t, q_pps // ppb)
-        m_i, l_i, accs = jax.lax.fori_loop(0, nb, q_body, (m_i, l_i, accs))
+        if cfg.gather == "prefetch":
+            # Software pipelining by hand: block j+1's tiles are loaded (and block j+2's page
+            # numbers) before block j is computed, so the loads are in flight during the
+            # unpack and the dots instead of stalling the program at the top of each step.
+            def q_body(j, carry):
+                state, blk, phys_next = carry
+                nxt = load_block(j + 1, phys_next)
+                phys_after = phys_of(jnp.minimum(j + 2, max_block))
+                return attend_block(j, blk, state), nxt, phys_after
+
+            first = load_block(0, phys_of(0))
+            phys1 = phys_of(jnp.minimum(1, max_block))
+            (m_i, l_i, accs), _, _ = jax.lax.fori_loop(
+                0, nb, q_body, ((m_i, l_i, accs), first, phys1)
+            )
+        else:
+
+            def q_body(j, carry):
+                phys = phys_of(j) if rows_mode else None
+                return attend_block(j, load_block(j, phys), carry)
+
+            m_i, l_i, accs = jax.lax.fori_loop(0, nb, q_body, (m_i, l_i, accs))
 
     for i in range(n):
         o_ref[:, pl.ds(i * w, w)] = accs[i]

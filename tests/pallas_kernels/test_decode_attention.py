@@ -277,6 +277,8 @@ class TestDecodeAttention:
     @pytest.mark.parametrize(
         "gather,int_to_float",
         [
+            ("prefetch", "asm"),
+            ("prefetch", "exponent"),
             ("rows", "asm"),
             ("rows", "exponent"),
             ("rows", "convert"),
