@@ -226,6 +226,8 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int4_ppb4": (4, dict(pages_per_block=4), {}),
     "int2_warps8": (2, dict(num_warps=8), {}),
     "int2_stages3": (2, dict(num_stages=3), {}),
+    "int2_stages1": (2, dict(num_stages=1), {}),
+    "int2_ppb4_splits_x2": (2, dict(pages_per_block=4, splits_factor=2), {}),
     "int2_splits_x2": (2, dict(splits_factor=2), {}),
     "int2_splits_half": (2, dict(splits_factor=0.5), {}),
 }

@@ -37,7 +37,8 @@ if [[ $steps == *paged* ]]; then
   echo "paged rc=$?" >> "$out/gpu.txt"
 fi
 if [[ $steps == *engine* ]]; then
-  timeout 200 python3 -m eval.bench_engine --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
+  timeout 240 python3 -m eval.bench_engine --layers 4 --new-tokens 32 \
+    --modes dense,paged_pallas,paged_reference --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
   echo "engine rc=$?" >> "$out/gpu.txt"
 fi
 cat "$out/gpu.txt"; tail -5 "$out/tests.log" "$out/bench.log" "$out/ptx.log" 2>/dev/null

@@ -52,6 +52,8 @@ HOISTS_TRANSFORMS = True
 GATHER_MODES = ("prefetch", "rows", "pages")
 INT_TO_FLOAT = ("convert", "exponent", "asm")
 DEFAULT_GATHER = "prefetch"
+# Pages per step of the full-precision loop when the kernel also has a low-bit segment.
+MIXED_FP_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "asm"
 
 
@@ -148,25 +150,31 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
     fp_pps = fptab_ref.shape[0]
     fp_start = split * fp_pps * page
     q_fp = q_full.astype(kfp_ref.dtype)
+    # Beside a low-bit segment the full-precision tiles stay small: Triton sizes shared memory
+    # for the whole kernel, and [T, d] BF16 tiles (32 KB each at T = d = 128, multi-buffered)
+    # held the mixed kernel to 2 programs per SM (H200 run 8: 102 KB per program) although
+    # this loop only covers the few hundred sink + recent tokens.
+    fp_ppb = min(ppb, MIXED_FP_PAGES_PER_BLOCK) if has_lowbit else ppb
+    fp_t = fp_ppb * page
 
     def fp_body(j, carry):
         m_prev, l_prev, acc = carry
-        pages = fptab_ref[pl.ds(j * ppb, ppb)]  # i32[ppb]
-        tok0 = fp_start + j * t
-        vrow, vcol = _valid(tok0, fp_len, t)
-        k = kfp_ref[pages].reshape(t, d)
+        pages = fptab_ref[pl.ds(j * fp_ppb, fp_ppb)]  # i32[fp_ppb]
+        tok0 = fp_start + j * fp_t
+        vrow, vcol = _valid(tok0, fp_len, fp_t)
+        k = kfp_ref[pages].reshape(fp_t, d)
         k = jnp.where(vcol, k, 0)  # unused slots may hold NaN
         logits = da._dot_nt(q_fp, k) * cfg.scale_log2  # [Gp, T]
         p, m_new, alpha, l_new = da.tile_softmax_step(logits, vrow, m_prev, l_prev)
         p_lo = p.astype(vfp_ref.dtype)
         new = []
         for i in range(n):
-            v = vfp_ref[pages, :, pl.ds(i * w, w)].reshape(t, w)
+            v = vfp_ref[pages, :, pl.ds(i * w, w)].reshape(fp_t, w)
             v = jnp.where(vcol, v, 0)
             new.append(acc[i] * alpha[:, None] + da._dot_nn(p_lo, v))
         return m_new, l_new, tuple(new)
 
-    nb = _n_blocks(fp_len, fp_start, t, fp_pps // ppb)
+    nb = _n_blocks(fp_len, fp_start, fp_t, fp_pps // fp_ppb)
     m_i, l_i, accs = jax.lax.fori_loop(0, nb, fp_body, (m_i, l_i, accs))
 
     # ---- low-bit pages ----------------------------------------------------------------------
