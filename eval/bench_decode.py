@@ -73,12 +73,13 @@ class BenchConfig:
     calls_per_repeat: int = 20
     backend: str = "gpu"
     num_splits: int | None = None
-    pages_per_block: int = 8
+    pages_per_block: int | None = None  # None: the kernels' own defaults
     num_warps: int | None = None
     num_stages: int | None = None
     out: str = "results/bench_decode.json"
     tune: bool = False
     lowbit_variants: tuple[str, ...] = ()
+    quantize_pack: bool = True  # also time quantize_pack per decode step
 
 
 # ------------------------------------------------------------------------------------------
@@ -227,7 +228,14 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_warps8": (2, dict(num_warps=8), {}),
     "int2_stages3": (2, dict(num_stages=3), {}),
     "int2_stages1": (2, dict(num_stages=1), {}),
+    "int2_ppb8": (2, dict(pages_per_block=8), {}),
     "int2_ppb4_splits_x2": (2, dict(pages_per_block=4, splits_factor=2), {}),
+    # One or two warps per program: no cross-warp row reductions or operand broadcasts
+    # (M = 16 fits one warp's MMA tile), more programs resident per SM.
+    "int2_warps1": (2, dict(num_warps=1, splits_factor=4), {}),
+    "int2_warps2": (2, dict(num_warps=2, splits_factor=2), {}),
+    "int2_warps1_ppb2": (2, dict(num_warps=1, pages_per_block=2, splits_factor=4), {}),
+    "int2_warps2_ppb2": (2, dict(num_warps=2, pages_per_block=2, splits_factor=2), {}),
     "int2_splits_x2": (2, dict(splits_factor=2), {}),
     "int2_splits_half": (2, dict(splits_factor=0.5), {}),
 }
@@ -248,7 +256,8 @@ def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) 
     factor = opts.pop("splits_factor", None)
     kw.update(opts)
     if factor is not None:
-        kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, kw["pages_per_block"])))
+        ppb = kw["pages_per_block"] or da._backend_module(cfg.backend).DEFAULT_PAGES_PER_BLOCK
+        kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, ppb)))
     caches = []
     for r in range(copies_for(nbytes)):
         x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r))
@@ -491,7 +500,7 @@ def tune_lowbit(cfg: BenchConfig, ceiling: float) -> list[dict]:
 
 def _auto(cfg: BenchConfig, batch: int, ctx: int, ppb: int) -> int:
     n_q = _split_context(cfg, ctx)[1]
-    return da._auto_splits(batch, cfg.kv_heads, max(1, n_q // cfg.page_size), ppb)
+    return da.lowbit_auto_splits(batch, cfg.kv_heads, max(1, n_q // cfg.page_size), ppb)
 
 
 def _speedups(rows: list[dict]) -> list[dict]:
@@ -584,7 +593,11 @@ def main(cfg: BenchConfig) -> dict:
     rows = []
     for batch, ctx in cfg.points:
         rows += bench_point(cfg, batch, ctx, ceiling)
-    qp = [quantize_pack_step_cost(cfg, b) for b in sorted({b for b, _ in cfg.points})]
+    qp = (
+        [quantize_pack_step_cost(cfg, b) for b in sorted({b for b, _ in cfg.points})]
+        if cfg.quantize_pack
+        else []
+    )
     result = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=dev.device_kind,
@@ -629,12 +642,15 @@ if __name__ == "__main__":
     p.add_argument("--variants", default=None, help="comma-separated variant names")
     p.add_argument("--backend", default="gpu", choices=da.BACKENDS)
     p.add_argument("--num-splits", type=int, default=None)
-    p.add_argument("--pages-per-block", type=int, default=8)
+    p.add_argument("--pages-per-block", type=int, default=None)
     p.add_argument("--num-warps", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="results/bench_decode.json")
     p.add_argument("--tune", action="store_true", help="low-bit attribution/tuning sweep")
+    p.add_argument(
+        "--skip-quantize-pack", action="store_true", help="do not time quantize_pack per step"
+    )
     p.add_argument(
         "--lowbit-variants",
         default="",
@@ -651,6 +667,7 @@ if __name__ == "__main__":
         repeats=a.repeats,
         out=a.out,
         tune=a.tune,
+        quantize_pack=not a.skip_quantize_pack,
         lowbit_variants=tuple(LOWBIT_VARIANTS)
         if a.lowbit_variants == "all"
         else tuple(v for v in a.lowbit_variants.split(",") if v),

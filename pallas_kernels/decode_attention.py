@@ -44,9 +44,12 @@ LOG2E = math.log2(math.e)
 # bits of the query / probabilities than bfloat16; values are O(1) so the range is no concern.
 CODE_DOT_DTYPE = jnp.float16
 BACKENDS = ("gpu", "tpu")
-# Programs the GPU should have in flight when choosing splits automatically (132 SMs on H200,
-# a few resident programs each).
+# Programs to launch when choosing splits automatically (132 SMs on H200, a few resident
+# programs each). The low-bit kernel measured best with ~1024 (H200 runs 8-9: more, shorter
+# programs shrink the partial last wave); the BF16 baseline keeps the 512 it was tuned with.
 _TARGET_PROGRAMS = 512
+_TARGET_PROGRAMS_LOWBIT = 1024
+BF16_PAGES_PER_BLOCK = 8
 
 
 # ------------------------------------------------------------------------------------------
@@ -367,7 +370,7 @@ def ref_decode_attention(
     bits: int,
     sm_scale: float,
     num_splits: int | None = None,
-    pages_per_block: int = 8,
+    pages_per_block: int | None = None,
     backend: str = "gpu",
     interpret: bool = False,
 ) -> jax.Array:  # f32[B, Hq, d]
@@ -421,7 +424,7 @@ def ref_decode_attention_bf16(
     *,
     sm_scale: float,
     num_splits: int | None = None,
-    pages_per_block: int = 8,
+    pages_per_block: int | None = None,
     backend: str = "gpu",
     interpret: bool = False,
 ) -> jax.Array:  # f32[B, Hq, d]
@@ -538,9 +541,16 @@ def _check_kernel_shapes(
 # ------------------------------------------------------------------------------------------
 # Split planning and merge
 # ------------------------------------------------------------------------------------------
-def _auto_splits(batch: int, hkv: int, max_pages: int, pages_per_block: int) -> int:
+def _auto_splits(
+    batch: int, hkv: int, max_pages: int, pages_per_block: int, target: int = _TARGET_PROGRAMS
+) -> int:
     blocks = max(1, -(-max_pages // pages_per_block))
-    return int(max(1, min(blocks, -(-_TARGET_PROGRAMS // (batch * hkv)))))
+    return int(max(1, min(blocks, -(-target // (batch * hkv)))))
+
+
+def lowbit_auto_splits(batch: int, hkv: int, max_pages: int, pages_per_block: int) -> int:
+    """Splits `decode_attention` picks when ``num_splits`` is None."""
+    return _auto_splits(batch, hkv, max_pages, pages_per_block, _TARGET_PROGRAMS_LOWBIT)
 
 
 def _split_table(
@@ -638,7 +648,7 @@ def decode_attention(
     bits: int,
     sm_scale: float,
     num_splits: int | None = None,
-    pages_per_block: int = 8,
+    pages_per_block: int | None = None,
     backend: str = "gpu",
     interpret: bool = False,
     num_warps: int | None = None,
@@ -658,7 +668,8 @@ def decode_attention(
       bits: 2 or 4 (packed planar codes, `pallas_kernels.layout`).
       sm_scale: softmax scale applied to the logits.
       num_splits: sequence splits (flash decoding); ``None`` picks enough to fill the GPU.
-      pages_per_block: pages gathered per inner step (GPU; the TPU body takes one page/step).
+      pages_per_block: pages gathered per inner step (GPU; the TPU body takes one page/step);
+        ``None`` uses the backend's ``DEFAULT_PAGES_PER_BLOCK``.
       backend: ``"gpu"`` (Pallas Triton) or ``"tpu"`` (Pallas Mosaic).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
       num_warps, num_stages: GPU launch knobs; ``None`` uses the GPU body's defaults.
@@ -714,7 +725,7 @@ def decode_attention_variant(
     bits: int,
     sm_scale: float,
     num_splits: int | None = None,
-    pages_per_block: int = 8,
+    pages_per_block: int | None = None,
     backend: str = "gpu",
     interpret: bool = False,
     num_warps: int | None = None,
@@ -748,8 +759,12 @@ def decode_attention_variant(
         value_inverse,
         bits=bits,
     )
-    _check_kernel_shapes(dims, bits, pages_per_block, backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
     mod = _backend_module(backend)
+    if pages_per_block is None:
+        pages_per_block = mod.DEFAULT_PAGES_PER_BLOCK
+    _check_kernel_shapes(dims, bits, pages_per_block, backend)
     gather = mod.DEFAULT_GATHER if gather is None else gather
     int_to_float = mod.DEFAULT_INT_TO_FLOAT if int_to_float is None else int_to_float
     if gather not in mod.GATHER_MODES:
@@ -760,7 +775,9 @@ def decode_attention_variant(
         )
     unit = pages_per_block if backend == "gpu" else 1
     if num_splits is None:
-        num_splits = _auto_splits(dims["b"], dims["hkv"], q_page_table.shape[1], pages_per_block)
+        num_splits = lowbit_auto_splits(
+            dims["b"], dims["hkv"], q_page_table.shape[1], pages_per_block
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     qg, g = _group_queries(q, dims["hkv"], mod.MIN_GROUP_PAD)
@@ -831,14 +848,17 @@ def decode_attention_bf16(
     *,
     sm_scale: float,
     num_splits: int | None = None,
-    pages_per_block: int = 8,
+    pages_per_block: int | None = None,
     backend: str = "gpu",
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> jax.Array:  # f32[B, Hq, d]
     """The BF16 baseline: same kernel structure (GQA group as M, splits, LSE merge) over
-    full-precision pages only, no transforms. Arguments as in `decode_attention`."""
+    full-precision pages only, no transforms. Arguments as in `decode_attention`
+    (``pages_per_block=None`` means 8, the value this baseline was tuned with)."""
+    if pages_per_block is None:
+        pages_per_block = BF16_PAGES_PER_BLOCK
     dims = _validate_fp(q, k_pages, v_pages, page_table, lengths)
     _check_kernel_shapes(dims, None, pages_per_block, backend)
     mod = _backend_module(backend)

@@ -26,6 +26,8 @@ HOISTS_TRANSFORMS = False
 GATHER_MODES = ("pages",)  # one page per grid step through BlockSpecs
 INT_TO_FLOAT = ("convert", "exponent")
 DEFAULT_GATHER = "pages"
+# The Mosaic body reads one page per grid step; pages_per_block is a GPU knob.
+DEFAULT_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "convert"
 
 
