@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One batched device call (see notes/device_runs.md): GPU correctness, benchmark, PTX, Engine.
+# tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
 set -u
 out=$1; bench_args=$2; steps=${3:-tests,bench,ptx,engine}
@@ -7,7 +8,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__)" >> "$out/gpu.txt" 2>&1
 if [[ $steps == *tests* ]]; then
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -q -p no:cacheprovider \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider \
     tests/pallas_kernels/test_decode_attention.py \
     -k "TestDecodeAttention and not Interpret and not sweep" > "$out/tests.log" 2>&1
   echo "tests rc=$?" >> "$out/gpu.txt"
@@ -32,7 +33,7 @@ if [[ $steps == *ncu* ]]; then
   done
 fi
 if [[ $steps == *paged* ]]; then
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 python3 -m pytest -q -p no:cacheprovider \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/kvjax/test_paged_cache.py -k "pallas or identity" > "$out/paged_tests.log" 2>&1
   echo "paged rc=$?" >> "$out/gpu.txt"
 fi
