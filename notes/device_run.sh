@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One batched device call (see notes/device_runs.md): GPU correctness, benchmark, PTX, Engine.
+# One batched device call (see notes/device_runs.md): GPU correctness, benchmark, ncu, Engine.
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
 set -u
-out=$1; bench_args=$2; steps=${3:-tests,bench,ptx,engine}
+out=$1; bench_args=$2; steps=${3:-tests,bench,engine}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__)" >> "$out/gpu.txt" 2>&1
@@ -19,16 +19,12 @@ if [[ $steps == *bench* ]]; then
     > "$out/bench.log" 2>&1
   echo "bench rc=$?" >> "$out/gpu.txt"
 fi
-if [[ $steps == *ptx* ]]; then
-  timeout 120 python3 notes/decode_kernel_ptx.py "$out/ptx" > "$out/ptx.log" 2>&1
-  echo "ptx rc=$?" >> "$out/gpu.txt"
-fi
 if [[ $steps == *ncu* ]]; then
   for v in prefetch_asm pages_exponent; do
     timeout 120 ncu --clock-control none -k regex:paged_decode_int --launch-count 1 \
       --section LaunchStats --section Occupancy --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
-      python3 notes/decode_kernel_ptx.py --one $v > "$out/ncu_$v.txt" 2>&1
+      python3 notes/decode_kernel_once.py $v > "$out/ncu_$v.txt" 2>&1
     echo "ncu $v rc=$?" >> "$out/gpu.txt"
   done
 fi
@@ -42,4 +38,4 @@ if [[ $steps == *engine* ]]; then
     --modes dense,paged_pallas,paged_reference --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
   echo "engine rc=$?" >> "$out/gpu.txt"
 fi
-cat "$out/gpu.txt"; tail -5 "$out/tests.log" "$out/bench.log" "$out/ptx.log" 2>/dev/null
+cat "$out/gpu.txt"; tail -5 "$out/tests.log" "$out/bench.log" 2>/dev/null

@@ -238,7 +238,6 @@ def tile_softmax_step(
     return p, m_new, alpha, l_new
 
 
-INT_TO_FLOAT = ("convert", "exponent", "asm")
 # float16 1024.0: exponent 10, empty mantissa. Its ulp is 1, so ``bits | 0x6400`` is
 # ``1024 + code`` exactly for any code below 1024.
 _F16_1024_BITS = 0x6400
