@@ -13,6 +13,10 @@ import os
 import sys
 
 VARIANTS = {
+    "default": {},
+    "warps1": dict(num_warps=1),
+    "warps2": dict(num_warps=2),
+    "ppb8": dict(pages_per_block=8),
     "prefetch_asm": dict(gather="prefetch", int_to_float="asm"),
     "rows_asm": dict(gather="rows", int_to_float="asm"),
     "rows_exponent": dict(gather="rows", int_to_float="exponent"),

@@ -20,7 +20,7 @@ if [[ $steps == *bench* ]]; then
   echo "bench rc=$?" >> "$out/gpu.txt"
 fi
 if [[ $steps == *ncu* ]]; then
-  for v in prefetch_asm pages_exponent; do
+  for v in ${NCU_VARIANTS:-default warps2 warps1}; do
     timeout 120 ncu --clock-control none -k regex:paged_decode_int --launch-count 1 \
       --section LaunchStats --section Occupancy --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
