@@ -7,23 +7,26 @@ through the page table (a pointer gather), so packed codes are unpacked in regis
 materialised as BF16 in device memory. Triton specifics (gathers, inline PTX, launch knobs,
 the 16-row minimum of a dot) live here; the per-tile math is shared with the TPU body.
 
-What keeps the low-bit loop cheap (``gather="prefetch"``, ``int_to_float="asm"``, the
-defaults):
+The low-bit loop (defaults ``gather="prefetch"``, ``int_to_float="asm"``; H200 numbers from
+BENCHMARKS.md, runs 7-9, 8 x 128k):
 
-* Loads run one block ahead of the math (``"prefetch"``): each program carries the next
-  block's packed tiles and scales in registers, and the page numbers of the block after
-  that, so the dependent chain page table -> codes is never waited on at the top of a step.
-
-* One 2-D pointer gather per tile, keys loaded already transposed (``[d/n, T]``), values
-  ``[T, d/n]``. With nothing but elementwise ops between a load and its dot, Triton's
-  dot-operand pass moves the operand-layout conversion up to the packed bytes: the uint8
-  tile goes through shared memory (1 byte per 4 codes) instead of each unpacked float16
-  plane (8 bytes per 4 codes), and the unpack runs in the operand registers.
 * Inline PTX turns 4 packed bytes into one plane's 4 float16 codes with 2 ``prmt`` (shared
   by the planes), 2 ``lop3`` and 2 ``fma.f16x2``: two codes per 32-bit instruction instead
   of one shift/mask/convert chain per code. ``lop3`` leaves plane ``i`` in place as
   ``1024 + 2**(i*bits) * c`` (float16 bits ``0x6400 | field``) and the ``fma`` scales it back
-  to ``c`` exactly.
+  to ``c`` exactly. Measured: 1.22 -> 1.02 ms.
+* One 2-D pointer gather per tile, keys loaded already transposed (``[d/n, T]``), values
+  ``[T, d/n]``: nothing but elementwise ops between a load and its dot, which is what
+  Triton's dot-operand pass needs to move the operand-layout conversion up to the packed
+  bytes (whether it does here is not confirmed: XLA writes no PTX for these kernels).
+  Measured: -9% with the int16 unpack, ~1% with the PTX unpack.
+* ``"prefetch"`` loads the next block's tiles and scales (and the page numbers of the block
+  after) a step ahead, so the page table -> codes chain is not waited on at the top of a
+  step. Measured neutral (0.85 vs 0.87 ms, 0.107 vs 0.106 ms at 1 x 64k); kept because the
+  tuned defaults were measured with it.
+
+`ncu` (run 8) shows the loop latency-bound: 2 programs per SM (shared memory), issue slots
+~30% busy. BENCHMARKS.md lists what would close the gap to the bandwidth targets.
 
 The query transform and the value inverse are not applied per split program: `head_matmul`
 runs them once per (sequence, KV head) as a small prologue kernel on the query and an epilogue
