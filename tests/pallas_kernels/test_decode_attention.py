@@ -159,6 +159,7 @@ FAST_CASES = [
     Case(q_lens=(0, 0), fp_lens=(30, 17)),  # fp only
     Case(batch=3, fp_lens=(0, 5, 0), q_lens=(32, 0, 0)),  # low-bit only; nothing at all
     Case(bits=4, group_size=32, num_splits=4, fp_lens=(3, 16), q_lens=(16, 48)),  # empty splits
+    Case(pages_per_block=4, num_splits=None, fp_lens=(17, 40), q_lens=(128, 64)),  # GPU default
     pytest.param(
         Case(group=8, num_splits=None, pages_per_block=4, fp_lens=(17, 64), q_lens=(128, 64)),
         marks=_SLOW,
