@@ -239,6 +239,15 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_warps1_ppb2": (2, dict(num_warps=1, pages_per_block=2, splits_factor=4), {}),
     "int2_warps2_ppb2": (2, dict(num_warps=2, pages_per_block=2, splits_factor=2), {}),
     "int2_splits_x2": (2, dict(splits_factor=2), {}),
+    # Softmax row sums reduced every step (the loop of runs 7-9) instead of deferred.
+    "int2_per_step": (2, dict(row_sums="per_step"), {}),
+    "int2_warps8_per_step": (2, dict(num_warps=8, row_sums="per_step"), {}),
+    "int2_warps8_ppb8": (2, dict(num_warps=8, pages_per_block=8), {}),
+    "int2_warps8_splits_half": (2, dict(num_warps=8, splits_factor=0.5), {}),
+    "int2_rows_asm_per_step": (2, dict(gather="rows", int_to_float="asm", row_sums="per_step"), {}),
+    "int2_rows_asm_warps8": (2, dict(gather="rows", int_to_float="asm", num_warps=8), {}),
+    "int2_rows_asm_ppb8": (2, dict(gather="rows", int_to_float="asm", pages_per_block=8), {}),
+    "int2_rows_asm_stages3": (2, dict(gather="rows", int_to_float="asm", num_stages=3), {}),
     "int2_splits_half": (2, dict(splits_factor=0.5), {}),
 }
 

@@ -2,6 +2,7 @@
 # One batched device call (see notes/device_runs.md): GPU correctness, benchmark, ncu, Engine.
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
+# steps: comma-separated from tests, bench, ncu (NCU_VARIANTS), kernels, paged, engine.
 set -u
 out=$1; bench_args=$2; steps=${3:-tests,bench,engine}
 mkdir -p "$out"
@@ -15,17 +16,26 @@ if [[ $steps == *tests* ]]; then
 fi
 if [[ $steps == *bench* ]]; then
   # shellcheck disable=SC2086
-  timeout 300 python3 -m eval.bench_decode $bench_args --out "$out/bench_decode.json" \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m eval.bench_decode $bench_args --out "$out/bench_decode.json" \
     > "$out/bench.log" 2>&1
   echo "bench rc=$?" >> "$out/gpu.txt"
 fi
 if [[ $steps == *ncu* ]]; then
-  for v in ${NCU_VARIANTS:-default warps2 warps1}; do
+  for v in ${NCU_VARIANTS:-int2_pallas}; do
     timeout 120 ncu --clock-control none -k regex:paged_decode_int --launch-count 1 \
       --section LaunchStats --section Occupancy --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
       python3 notes/decode_kernel_once.py $v > "$out/ncu_$v.txt" 2>&1
     echo "ncu $v rc=$?" >> "$out/gpu.txt"
+  done
+fi
+if [[ $steps == *kernels* ]]; then
+  # Every kernel of one decode-attention call (the last of two) with its duration: where the
+  # fixed cost at batch 1 goes (prologue, split kernel, merge fusions, epilogue).
+  for pt in ${KERNEL_POINTS:-1x65536 8x131072}; do
+    timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+      python3 notes/decode_kernel_once.py int2_pallas $pt > "$out/kernels_$pt.txt" 2>&1
+    echo "kernels $pt rc=$?" >> "$out/gpu.txt"
   done
 fi
 if [[ $steps == *paged* ]]; then

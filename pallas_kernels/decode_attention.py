@@ -89,6 +89,11 @@ class DecodeConfig:
         half-precision ops. ``"asm"`` (GPU only): the same trick two codes per 32-bit
         instruction in inline PTX (`pallas_kernels.gpu.decode_attention`); in interpret mode it
         runs the ``"exponent"`` twin, which yields the identical float16 values.
+      row_sums: how the GPU low-bit loop keeps the softmax denominator and the value
+        zero-point correction. ``"deferred"``: as ``[Gp, T]`` tiles rescaled like the
+        accumulators and reduced once after the loop, so the row max is the only cross-warp
+        reduction per step (fewer barriers, more registers). ``"per_step"``: reduced every
+        step. The TPU body reduces per step.
     """
 
     head_dim: int
@@ -103,6 +108,7 @@ class DecodeConfig:
     has_value_inverse: bool
     gather: str = "pages"
     int_to_float: str = "convert"
+    row_sums: str = "per_step"
 
     @property
     def chunk(self) -> int:
@@ -703,7 +709,9 @@ def decode_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float"))
+@functools.partial(
+    jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums")
+)
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]
     k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
@@ -731,13 +739,15 @@ def decode_attention_variant(
     num_stages: int | None = None,
     gather: str | None = None,
     int_to_float: str | None = None,
+    row_sums: str | None = None,
 ) -> jax.Array:  # f32[B, Hq, d]
     """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
 
     Args:
-      gather, int_to_float: see `DecodeConfig`; ``None`` takes the backend's defaults
-        (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` of the backend module; the modes a
-        backend supports are its ``GATHER_MODES`` / ``INT_TO_FLOAT``).
+      gather, int_to_float, row_sums: see `DecodeConfig`; ``None`` takes the backend's
+        defaults (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` / ``DEFAULT_ROW_SUMS`` of the
+        backend module; the modes a backend supports are its ``GATHER_MODES`` /
+        ``INT_TO_FLOAT`` / ``ROW_SUMS``).
       Others: as in `decode_attention`.
     """
     dims = _validate(
@@ -772,6 +782,9 @@ def decode_attention_variant(
         raise ValueError(
             f"int_to_float={int_to_float!r} must be one of {mod.INT_TO_FLOAT} for {backend=}"
         )
+    row_sums = mod.DEFAULT_ROW_SUMS if row_sums is None else row_sums
+    if row_sums not in mod.ROW_SUMS:
+        raise ValueError(f"row_sums={row_sums!r} must be one of {mod.ROW_SUMS} for {backend=}")
     unit = pages_per_block if backend == "gpu" else 1
     if num_splits is None:
         num_splits = lowbit_auto_splits(
@@ -794,6 +807,7 @@ def decode_attention_variant(
         has_value_inverse=value_inverse is not None and not hoist,
         gather=gather,
         int_to_float=int_to_float,
+        row_sums=row_sums,
     )
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)

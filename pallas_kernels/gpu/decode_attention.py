@@ -61,6 +61,8 @@ DEFAULT_PAGES_PER_BLOCK = 4
 # Pages per step of the full-precision loop when the kernel also has a low-bit segment.
 MIXED_FP_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "asm"
+ROW_SUMS = ("deferred", "per_step")
+DEFAULT_ROW_SUMS = "deferred"
 
 
 def _f16_bits(x: float) -> int:
@@ -69,21 +71,25 @@ def _f16_bits(x: float) -> int:
 
 def _plane_asm(bits: int, plane: int) -> str:
     """PTX for one code plane of 4 packed bytes ($2) -> 4 float16 codes ($0: bytes 0-1,
-    $1: bytes 2-3; the low half of a register is the lower-numbered element)."""
+    $1: bytes 2-3; the low half of a register is the lower-numbered element).
+
+    One input and one output: Triton can move a dot-operand layout conversion above it
+    (``gather="rows"``, whose packed tiles are loaded straight into that layout).
+    """
     shift = plane * bits
     mask = ((1 << bits) - 1) << shift
     scale, bias = _f16_bits(2.0**-shift), _f16_bits(-1024.0 * 2.0**-shift)
     pair = lambda v: f"0x{(v << 16) | v:08x}"  # noqa: E731
     return (
-        "{ .reg .b32 lo, hi, s, c; "
+        "{ .reg .b32 lo, hi, t0, t1, s, c; "
         "prmt.b32 lo, $2, 0, 0x4140; "  # bytes 0, 1 -> low byte of each 16-bit half
         "prmt.b32 hi, $2, 0, 0x4342; "  # bytes 2, 3
-        f"lop3.b32 lo, lo, {pair(mask)}, 0x64006400, 0xea; "  # (x & mask) | 0x6400
-        f"lop3.b32 hi, hi, {pair(mask)}, 0x64006400, 0xea; "
+        f"lop3.b32 t0, lo, {pair(mask)}, 0x64006400, 0xea; "  # (x & mask) | 0x6400
+        f"lop3.b32 t1, hi, {pair(mask)}, 0x64006400, 0xea; "
         f"mov.b32 s, {pair(scale)}; "
         f"mov.b32 c, {pair(bias)}; "
-        "fma.rn.f16x2 $0, lo, s, c; "  # (1024 + 2^shift c) 2^-shift - 1024 2^-shift = c
-        "fma.rn.f16x2 $1, hi, s, c; }"
+        "fma.rn.f16x2 $0, t0, s, c; "  # (1024 + 2^shift c) 2^-shift - 1024 2^-shift = c
+        "fma.rn.f16x2 $1, t1, s, c; }"
     )
 
 
@@ -95,8 +101,11 @@ def unpack_planes(
 ) -> list[jax.Array]:  # n x f16[..., m]
     """`da.unpack_tile_planes`, with the inline-PTX ``"asm"`` mode for the GPU.
 
-    In interpret mode ``"asm"`` runs the ``"exponent"`` twin (PTX cannot run on the CPU); both
-    produce the same exact float16 integers.
+    One asm per plane: ptxas shares the planes' identical ``prmt`` (SASS of the H200 build
+    shows 2 per 4 bytes, not 2 per plane), and a one-input one-output asm lets Triton move a
+    dot-operand layout conversion above it (``gather="rows"``). In interpret mode ``"asm"``
+    runs the ``"exponent"`` twin (PTX cannot run on the CPU); both produce the same exact
+    float16 integers.
     """
     if int_to_float != "asm":
         return da.unpack_tile_planes(packed, bits, int_to_float)
@@ -192,7 +201,8 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         q_start = split * q_pps * page
         mw = cfg.packed_width
         rows_mode = cfg.gather in ("rows", "prefetch")
-        q_chunks16 = [c.astype(da.CODE_DOT_DTYPE) for c in q_chunks]
+        # Logits in base-2 units straight out of the dots: scale_log2 rides on the query.
+        q_chunks16 = [(c * cfg.scale_log2).astype(da.CODE_DOT_DTYPE) for c in q_chunks]
         q_sums = da.tile_group_sums(q_chunks16, pg, ng)
         rows = jnp.arange(t, dtype=jnp.int32)
         row_page, row_slot = rows // page, rows % page  # block-relative page, slot in page
@@ -223,7 +233,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             return kp, vp, metas
 
         def attend_block(j, blk, carry):
-            m_prev, l_prev, acc = carry
+            m_prev, acc, l_t, corr_t = carry
             kp, vp, metas = blk
             vrow, _ = _valid(q_start + j * t, q_len, t)
             # Masked with where so NaN in unused slots' scales/zeros cannot leak.
@@ -233,37 +243,62 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             planes = unpack_planes(kp, cfg.bits, cfg.int_to_float, interpret)
             logits = da.tile_lowbit_logits(
                 q_chunks16, q_sums, planes, ks, kz, pg, keys_transposed=rows_mode
-            )
-            p, m_new, alpha, l_new = da.tile_softmax_step(
-                logits * cfg.scale_log2, vrow, m_prev, l_prev
-            )
+            )  # base-2 units: the query chunks carry scale_log2
+            # Invalid slots get a finite -inf, so exp2 makes them exactly 0 without a second
+            # select (m_new is finite: every visited block holds a valid token).
+            logits = jnp.where(vrow, logits, da.NEG_INF)
+            m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
+            alpha = jnp.exp2(m_prev - m_new)
+            p = jnp.exp2(logits - m_new[:, None])
+            # row_sums="deferred": l and the zero-point correction stay [Gp, T] tiles,
+            # rescaled like the accumulators and reduced once after the loop, so the row max
+            # is the only cross-warp reduction per step.
             planes = unpack_planes(vp, cfg.bits, cfg.int_to_float, interpret)
-            ups = da.tile_lowbit_values(p, planes, vs, vz, pg)
-            return m_new, l_new, tuple(acc[i] * alpha[:, None] + ups[i] for i in range(n))
+            w16 = [(p * vs[g]).astype(da.CODE_DOT_DTYPE) for g in range(ng)]
+            # Rounded weights in the correction, so it matches what the dot summed exactly.
+            wz = [w16[g].astype(jnp.float32) * vz[g] for g in range(ng)]
+            if deferred:
+                l_t = l_t * alpha[:, None] + p
+                corr_t = tuple(corr_t[g] * alpha[:, None] + wz[g] for g in range(ng))
+                ups = [da._dot_nn(w16[pg[i]], planes[i]) for i in range(n)]
+            else:  # l_t / corr_t are [Gp, 1] columns
+                l_t = l_t * alpha[:, None] + jnp.sum(p, axis=1, keepdims=True)
+                corr = [jnp.sum(x, axis=1, keepdims=True) for x in wz]
+                ups = [da._dot_nn(w16[pg[i]], planes[i]) - corr[pg[i]] for i in range(n)]
+            acc = tuple(acc[i] * alpha[:, None] + ups[i] for i in range(n))
+            return m_new, acc, l_t, corr_t
 
         nb = _n_blocks(q_len, q_start, t, q_pps // ppb)
+        deferred = cfg.row_sums == "deferred"
+        l_t0 = jnp.zeros((gp, t if deferred else 1), jnp.float32)
+        zero_corr = tuple(jnp.zeros((gp, t if deferred else 1), jnp.float32) for _ in range(ng))
+        state = (m_i, accs, l_t0, zero_corr)
         if cfg.gather == "prefetch":
             # Software pipelining by hand: block j+1's tiles are loaded (and block j+2's page
             # numbers) before block j is computed, so the loads are in flight during the
             # unpack and the dots instead of stalling the program at the top of each step.
             def q_body(j, carry):
-                state, blk, phys_next = carry
+                st, blk, phys_next = carry
                 nxt = load_block(j + 1, phys_next)
                 phys_after = phys_of(jnp.minimum(j + 2, max_block))
-                return attend_block(j, blk, state), nxt, phys_after
+                return attend_block(j, blk, st), nxt, phys_after
 
             first = load_block(0, phys_of(0))
             phys1 = phys_of(jnp.minimum(1, max_block))
-            (m_i, l_i, accs), _, _ = jax.lax.fori_loop(
-                0, nb, q_body, ((m_i, l_i, accs), first, phys1)
-            )
+            state, _, _ = jax.lax.fori_loop(0, nb, q_body, (state, first, phys1))
         else:
 
             def q_body(j, carry):
                 phys = phys_of(j) if rows_mode else None
                 return attend_block(j, load_block(j, phys), carry)
 
-            m_i, l_i, accs = jax.lax.fori_loop(0, nb, q_body, (m_i, l_i, accs))
+            state = jax.lax.fori_loop(0, nb, q_body, state)
+        m_q, accs, l_t, corr_t = state
+        # The full-precision part's l_i and the deferred tiles, both at the final max.
+        l_i = l_i * jnp.exp2(m_i - m_q) + jnp.sum(l_t, axis=1)
+        corr = [jnp.sum(c, axis=1)[:, None] for c in corr_t]
+        accs = tuple(accs[i] - corr[pg[i]] for i in range(n))
+        m_i = m_q
 
     for i in range(n):
         o_ref[:, pl.ds(i * w, w)] = accs[i]

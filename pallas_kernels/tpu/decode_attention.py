@@ -29,6 +29,8 @@ DEFAULT_GATHER = "pages"
 # The Mosaic body reads one page per grid step; pages_per_block is a GPU knob.
 DEFAULT_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "convert"
+ROW_SUMS = ("per_step",)
+DEFAULT_ROW_SUMS = "per_step"
 
 
 def _kernel(

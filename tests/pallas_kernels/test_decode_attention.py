@@ -276,21 +276,28 @@ class TestDecodeAttention:
 
     @pytest.mark.parametrize("bits", [2, 4])
     @pytest.mark.parametrize(
-        "gather,int_to_float",
+        "gather,int_to_float,row_sums",
         [
-            ("prefetch", "asm"),
-            ("prefetch", "exponent"),
-            ("rows", "asm"),
-            ("rows", "exponent"),
-            ("rows", "convert"),
-            ("pages", "exponent"),
-            ("pages", "convert"),
+            ("prefetch", "asm", "deferred"),
+            ("prefetch", "asm", "per_step"),
+            ("prefetch", "exponent", "deferred"),
+            ("rows", "asm", "deferred"),
+            ("rows", "exponent", "per_step"),
+            ("rows", "convert", "deferred"),
+            ("pages", "exponent", "per_step"),
+            ("pages", "convert", "deferred"),
         ],
     )
-    def test_inner_loop_variants_match_reference(self, gather: str, int_to_float: str, bits):
+    def test_inner_loop_variants_match_reference(
+        self, gather: str, int_to_float: str, row_sums: str, bits
+    ):
         mod = da._backend_module(self.BACKEND)
-        if gather not in mod.GATHER_MODES or int_to_float not in mod.INT_TO_FLOAT:
-            pytest.skip(f"{self.BACKEND} body has no {gather=} / {int_to_float=}")
+        if (
+            gather not in mod.GATHER_MODES
+            or int_to_float not in mod.INT_TO_FLOAT
+            or row_sums not in mod.ROW_SUMS
+        ):
+            pytest.skip(f"{self.BACKEND} body has no {gather=} / {int_to_float=} / {row_sums=}")
         # Two scale groups, so per-group scales meet the right planes.
         c = Case(head_dim=128, group_size=64, bits=bits, fp_lens=(20, 5), q_lens=(64, 32))
         x = make_inputs(c, seed=2)
@@ -305,6 +312,7 @@ class TestDecodeAttention:
             interpret=self.INTERPRET,
             gather=gather,
             int_to_float=int_to_float,
+            row_sums=row_sums,
         )
         assert _rel_err(out, ref) < TOL[c.fp_dtype]
 
@@ -403,28 +411,32 @@ def test_unpack_planes_are_channel_order(bits: int, int_to_float: str):
         np.testing.assert_array_equal(got if axis == 1 else got.T, want)
 
 
-def _emulate_plane_asm(packed: np.ndarray, bits: int, plane: int) -> np.ndarray:
-    """numpy model of the PTX in `_plane_asm` (prmt, lop3 0xea, fma.rn.f16x2) on 4 bytes."""
+def _emulate_asm_planes(packed: np.ndarray, asm: str) -> list[np.ndarray]:
+    """numpy model of the unpack PTX in `_plane_asm` (prmt spread, lop3 0xea, fma.rn.f16x2)
+    on 4 bytes; one result per plane the asm writes."""
     import re
 
-    from pallas_kernels.gpu import decode_attention as gpu_da
-
-    asm = gpu_da._plane_asm(bits, plane)
-    mask = int(re.findall(r"lop3.b32 lo, lo, (0x[0-9a-f]+)", asm)[0], 16) & 0xFFFF
-    s_bits = int(re.findall(r"mov.b32 s, (0x[0-9a-f]+)", asm)[0], 16) & 0xFFFF
-    c_bits = int(re.findall(r"mov.b32 c, (0x[0-9a-f]+)", asm)[0], 16) & 0xFFFF
-    half = (packed.astype(np.uint16) & mask) | 0x6400  # each byte in the low byte of a half
-    as_f16 = half.view(np.float16).astype(np.float64)
-    s = np.asarray(s_bits, np.uint16).view(np.float16).astype(np.float64)
-    c = np.asarray(c_bits, np.uint16).view(np.float16).astype(np.float64)
-    return (as_f16 * s + c).astype(np.float16)  # exact: the result is a small integer
+    out = []
+    for mask, s_bits, c_bits in re.findall(
+        r"lop3.b32 t0, lo, (0x[0-9a-f]+).*?mov.b32 s, (0x[0-9a-f]+); mov.b32 c, (0x[0-9a-f]+)",
+        asm,
+    ):
+        mask, s_bits, c_bits = (int(v, 16) & 0xFFFF for v in (mask, s_bits, c_bits))
+        half = (packed.astype(np.uint16) & mask) | 0x6400  # each byte in the low byte of a half
+        as_f16 = half.view(np.float16).astype(np.float64)
+        s = np.asarray(s_bits, np.uint16).view(np.float16).astype(np.float64)
+        c = np.asarray(c_bits, np.uint16).view(np.float16).astype(np.float64)
+        out.append((as_f16 * s + c).astype(np.float16))  # exact: the result is a small integer
+    return out
 
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_plane_asm_model_recovers_every_code(bits: int):
+    from pallas_kernels.gpu import decode_attention as gpu_da
+
     packed = np.arange(256, dtype=np.uint8)
     for i, want in enumerate(layout.unpack_planes(jnp.asarray(packed), bits)):
-        got = _emulate_plane_asm(packed, bits, i)
+        (got,) = _emulate_asm_planes(packed, gpu_da._plane_asm(bits, i))
         np.testing.assert_array_equal(got.astype(np.int32), np.asarray(want, np.int32))
 
 
