@@ -211,6 +211,7 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float`); the GPU default is
     # prefetch + asm. pages + exponent was the default of runs 5-6.
     "int2_rows_asm": (2, dict(gather="rows", int_to_float="asm"), {}),
+    "int2_prefetch_asm": (2, dict(gather="prefetch", int_to_float="asm"), {}),
     "int2_prefetch_exponent": (2, dict(gather="prefetch", int_to_float="exponent"), {}),
     "int2_rows_exponent": (2, dict(gather="rows", int_to_float="exponent"), {}),
     "int2_rows_convert": (2, dict(gather="rows", int_to_float="convert"), {}),

@@ -94,6 +94,8 @@ class DecodeConfig:
         accumulators and reduced once after the loop, so the row max is the only cross-warp
         reduction per step (fewer barriers, more registers). ``"per_step"``: reduced every
         step. The TPU body reduces per step.
+      group: real query heads per KV head (``<= group_pad``); the GPU body writes only these
+        rows of its split partials (a quarter of the bytes at GQA 4), ``None`` = all.
     """
 
     head_dim: int
@@ -109,6 +111,7 @@ class DecodeConfig:
     gather: str = "pages"
     int_to_float: str = "convert"
     row_sums: str = "per_step"
+    group: int | None = None
 
     @property
     def chunk(self) -> int:
@@ -571,10 +574,10 @@ def _split_table(
 
 
 def _merge_partials(
-    acc: jax.Array,  # f32[B, Hkv, S, Gp, d] unnormalised partial outputs
-    m: jax.Array,  # f32[B, Hkv, S, Gp] running max, base-2 units
-    l: jax.Array,  # f32[B, Hkv, S, Gp] partial softmax denominators
-) -> jax.Array:  # f32[B, Hkv, Gp, d]
+    acc: jax.Array,  # f32[B, Hkv, S, R, d] unnormalised partial outputs (R: Gp or the group)
+    m: jax.Array,  # f32[B, Hkv, S, R] running max, base-2 units
+    l: jax.Array,  # f32[B, Hkv, S, R] partial softmax denominators
+) -> jax.Array:  # f32[B, Hkv, R, d]
     """Flash-decoding log-sum-exp merge of the split partials."""
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_all)  # [B, K, S, Gp]; 0 for empty splits unless all are empty
@@ -808,6 +811,7 @@ def decode_attention_variant(
         gather=gather,
         int_to_float=int_to_float,
         row_sums=row_sums,
+        group=g,
     )
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)
@@ -834,7 +838,7 @@ def decode_attention_variant(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    o = _merge_partials(acc, m, l)  # [B, Hkv, Gp, d]
+    o = _merge_partials(acc, m, l)  # [B, Hkv, R, d], R = g (GPU) or Gp (TPU)
     if hoist and vi is not None:
         o = mod.head_matmul(o, vi, interpret=interpret)  # back to the original frame
     return _ungroup(o, g)
@@ -892,6 +896,7 @@ def decode_attention_bf16(
         pages_per_block=unit,
         has_query_transform=False,
         has_value_inverse=False,
+        group=g,
     )
     acc, m, l = mod.paged_decode(
         cfg,

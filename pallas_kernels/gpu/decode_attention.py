@@ -54,7 +54,7 @@ DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True
 GATHER_MODES = ("prefetch", "rows", "pages")
 INT_TO_FLOAT = ("convert", "exponent", "asm")
-DEFAULT_GATHER = "prefetch"
+DEFAULT_GATHER = "rows"
 # Pages per inner step of the low-bit kernel: 4 (64 tokens at page 16) measured faster than 8
 # on the H200 at 8 x 128k (0.79 vs 0.87-0.96 ms, runs 8-9) and no slower at 1 x 64k.
 DEFAULT_PAGES_PER_BLOCK = 4
@@ -300,10 +300,19 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         accs = tuple(accs[i] - corr[pg[i]] for i in range(n))
         m_i = m_q
 
-    for i in range(n):
-        o_ref[:, pl.ds(i * w, w)] = accs[i]
-    m_ref[...] = m_i
-    l_ref[...] = l_i
+    # Only the real query rows leave the kernel: the partial arrays hold `cfg.group` rows, the
+    # [Gp, ...] blocks overhang them, and the masked stores keep the padding rows out.
+    if cfg.group is None or cfg.group == gp:
+        for i in range(n):
+            o_ref[:, pl.ds(i * w, w)] = accs[i]
+        m_ref[...] = m_i
+        l_ref[...] = l_i
+    else:
+        real = jnp.arange(gp, dtype=jnp.int32) < cfg.group
+        for i in range(n):
+            plgpu.store(o_ref.at[:, pl.ds(i * w, w)], accs[i], mask=real[:, None])
+        plgpu.store(m_ref, m_i, mask=real)
+        plgpu.store(l_ref, l_i, mask=real)
 
 
 def paged_decode(
@@ -318,7 +327,8 @@ def paged_decode(
     num_warps: int | None,
     num_stages: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Runs the split kernel; returns (acc f32[B,Hkv,S,Gp,d], m, l f32[B,Hkv,S,Gp]).
+    """Runs the split kernel; returns (acc f32[B,Hkv,S,R,d], m, l f32[B,Hkv,S,R]) with
+    ``R = cfg.group`` real query rows (``Gp`` when ``cfg.group`` is None).
 
     The transforms are applied by `head_matmul` around this kernel (``HOISTS_TRANSFORMS``),
     so ``query_transform`` and ``value_inverse`` must be None here.
@@ -326,6 +336,7 @@ def paged_decode(
     if query_transform is not None or value_inverse is not None:
         raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     b, hkv, gp, d = qg.shape
+    rows = gp if cfg.group is None else cfg.group  # partial rows written (see `_kernel`)
     k_fp, v_fp, fp_tab, fp_len = fp_set
     s = fp_tab.shape[1]
 
@@ -362,9 +373,9 @@ def paged_decode(
             pl.BlockSpec((None, None, None, gp), lambda bi, h, si: (bi, h, si, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, s, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, rows), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(
             num_warps=num_warps or DEFAULT_NUM_WARPS,
@@ -375,31 +386,43 @@ def paged_decode(
     )(*args)
 
 
-def _head_matmul_kernel(x_ref, mat_ref, o_ref):
-    o_ref[...] = da._dot_nn(x_ref[...], mat_ref[...], precision=jax.lax.Precision.HIGHEST)
+def _head_matmul_kernel(x_ref, mat_ref, o_ref, *, rows: int, block_rows: int):
+    if rows == block_rows:
+        x = x_ref[...]
+    else:  # the block overhangs the array's rows: read zeros there, write nothing there
+        real = (jnp.arange(block_rows, dtype=jnp.int32) < rows)[:, None]
+        x = plgpu.load(x_ref, mask=real, other=0.0)
+    y = da._dot_nn(x, mat_ref[...], precision=jax.lax.Precision.HIGHEST)
+    if rows == block_rows:
+        o_ref[...] = y
+    else:
+        plgpu.store(o_ref, y, mask=real)
 
 
 def head_matmul(
-    x: jax.Array,  # f32[B, Hkv, Gp, d]
+    x: jax.Array,  # f32[B, Hkv, R, d]
     mat: jax.Array,  # f32[Hkv, d, d]
     *,
     interpret: bool,
-) -> jax.Array:  # f32[B, Hkv, Gp, d] = x[b, h] @ mat[h]
+) -> jax.Array:  # f32[B, Hkv, R, d] = x[b, h] @ mat[h]
     """Per-KV-head float32 matmul (query transform prologue / value inverse epilogue).
 
     One program per (sequence, KV head), float32 at HIGHEST precision: B * Hkv programs of a
-    [Gp, d] x [d, d] dot, a few microseconds in all.
+    [R, d] x [d, d] dot, a few microseconds in all. Fewer than 16 rows (the merged output
+    holds only the real query rows) are read and written through a 16-row block with masks,
+    since Triton's dot needs M >= 16.
     """
-    b, hkv, gp, d = x.shape
+    b, hkv, r, d = x.shape
+    block_rows = max(r, MIN_GROUP_PAD)
     return pl.pallas_call(
-        _head_matmul_kernel,
+        functools.partial(_head_matmul_kernel, rows=r, block_rows=block_rows),
         grid=(b, hkv),
         in_specs=[
-            pl.BlockSpec((None, None, gp, d), lambda bi, h: (bi, h, 0, 0)),
+            pl.BlockSpec((None, None, block_rows, d), lambda bi, h: (bi, h, 0, 0)),
             pl.BlockSpec((None, d, d), lambda bi, h: (h, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, gp, d), lambda bi, h: (bi, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, gp, d), jnp.float32),
+        out_specs=pl.BlockSpec((None, None, block_rows, d), lambda bi, h: (bi, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, r, d), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="paged_decode_head_matmul",
