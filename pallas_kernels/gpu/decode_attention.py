@@ -52,6 +52,8 @@ MIN_GROUP_PAD = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True
+# Split partials merged by a Pallas kernel (GPU: `merge_splits`) or by XLA ops (TPU).
+HAS_MERGE_KERNEL = True
 GATHER_MODES = ("prefetch", "rows", "pages")
 INT_TO_FLOAT = ("convert", "exponent", "asm")
 DEFAULT_GATHER = "rows"
@@ -386,44 +388,97 @@ def paged_decode(
     )(*args)
 
 
-def _head_matmul_kernel(x_ref, mat_ref, o_ref, *, rows: int, block_rows: int):
-    if rows == block_rows:
-        x = x_ref[...]
-    else:  # the block overhangs the array's rows: read zeros there, write nothing there
-        real = (jnp.arange(block_rows, dtype=jnp.int32) < rows)[:, None]
-        x = plgpu.load(x_ref, mask=real, other=0.0)
-    y = da._dot_nn(x, mat_ref[...], precision=jax.lax.Precision.HIGHEST)
-    if rows == block_rows:
-        o_ref[...] = y
-    else:
-        plgpu.store(o_ref, y, mask=real)
+# Output columns per `head_matmul` program: 4 programs per (sequence, KV head) at d = 128, so
+# the float32 [Gp, d] x [d, d] product is not one program's serial chain.
+HEAD_MATMUL_COLS = 32
+
+
+def _head_matmul_kernel(x_ref, mat_ref, o_ref):
+    o_ref[...] = da._dot_nn(x_ref[...], mat_ref[...], precision=jax.lax.Precision.HIGHEST)
 
 
 def head_matmul(
-    x: jax.Array,  # f32[B, Hkv, R, d]
+    x: jax.Array,  # f32[B, Hkv, Gp, d]
     mat: jax.Array,  # f32[Hkv, d, d]
     *,
     interpret: bool,
-) -> jax.Array:  # f32[B, Hkv, R, d] = x[b, h] @ mat[h]
-    """Per-KV-head float32 matmul (query transform prologue / value inverse epilogue).
+) -> jax.Array:  # f32[B, Hkv, Gp, d] = x[b, h] @ mat[h]
+    """Per-KV-head float32 matmul: the query-transform prologue.
 
-    One program per (sequence, KV head), float32 at HIGHEST precision: B * Hkv programs of a
-    [R, d] x [d, d] dot, a few microseconds in all. Fewer than 16 rows (the merged output
-    holds only the real query rows) are read and written through a 16-row block with masks,
-    since Triton's dot needs M >= 16.
+    Programs per (sequence, KV head, block of `HEAD_MATMUL_COLS` output columns), float32 at
+    HIGHEST precision.
     """
-    b, hkv, r, d = x.shape
-    block_rows = max(r, MIN_GROUP_PAD)
+    b, hkv, gp, d = x.shape
+    cols = min(d, HEAD_MATMUL_COLS)
     return pl.pallas_call(
-        functools.partial(_head_matmul_kernel, rows=r, block_rows=block_rows),
-        grid=(b, hkv),
+        _head_matmul_kernel,
+        grid=(b, hkv, d // cols),
         in_specs=[
-            pl.BlockSpec((None, None, block_rows, d), lambda bi, h: (bi, h, 0, 0)),
-            pl.BlockSpec((None, d, d), lambda bi, h: (h, 0, 0)),
+            pl.BlockSpec((None, None, gp, d), lambda bi, h, c: (bi, h, 0, 0)),
+            pl.BlockSpec((None, d, cols), lambda bi, h, c: (h, 0, c)),
         ],
-        out_specs=pl.BlockSpec((None, None, block_rows, d), lambda bi, h: (bi, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, r, d), jnp.float32),
+        out_specs=pl.BlockSpec((None, None, gp, cols), lambda bi, h, c: (bi, h, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, gp, d), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="paged_decode_head_matmul",
     )(x, mat)
+
+
+# Warps of the merge kernel: its [d, d] value-inverse tile is 64 KB of float32 registers.
+MERGE_NUM_WARPS = 8
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, *rest, splits: int, splits_pad: int):
+    vi_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
+    ok = jnp.arange(splits_pad, dtype=jnp.int32) < splits  # the block overhangs the splits
+    acc = plgpu.load(acc_ref, mask=ok[:, None], other=0.0)  # [S_pad, d]
+    m = plgpu.load(m_ref, mask=ok, other=da.NEG_INF)  # [S_pad]
+    l = plgpu.load(l_ref, mask=ok, other=0.0)
+    # The log-sum-exp merge of `da._merge_partials`, for one (sequence, KV head, query row).
+    w = jnp.exp2(m - jnp.max(m))  # 0 for padding and empty splits unless all are empty
+    l_all = jnp.sum(w * l)
+    o = jnp.sum(w[:, None] * acc, axis=0) / jnp.where(l_all > 0, l_all, 1.0)  # [d]
+    if vi_ref is not None:
+        # o @ B_V as a broadcast multiply and column sum: exact float32 products (what
+        # HIGHEST asks of the dot) without the 16-row minimum of a tensor-core dot.
+        o = jnp.sum(o[:, None] * vi_ref[...], axis=0)
+    o_ref[...] = o
+
+
+def merge_splits(
+    acc: jax.Array,  # f32[B, Hkv, S, R, d] unnormalised split partials
+    m: jax.Array,  # f32[B, Hkv, S, R]
+    l: jax.Array,  # f32[B, Hkv, S, R]
+    value_inverse: jax.Array | None,  # f32[Hkv, d, d] or None
+    *,
+    interpret: bool,
+) -> jax.Array:  # f32[B, Hkv, R, d]
+    """Log-sum-exp merge of the split partials and the value-inverse epilogue in one kernel.
+
+    One program per (sequence, KV head, query row) reads that row's ``[S, d]`` partials (the
+    split axis padded to a power of two through masked loads) and, when given, its head's
+    ``B_V``. Replaces the XLA merge (four fusions) and the `head_matmul` epilogue: at 1 x 64k
+    those were ~17 us of ~30 us fixed cost on the H200 (run 11, ncu kernel listing).
+    """
+    b, hkv, s, r, d = acc.shape
+    s_pad = 1 << (s - 1).bit_length()
+    specs = [
+        pl.BlockSpec((None, None, s_pad, None, d), lambda bi, h, ri: (bi, h, 0, ri, 0)),
+        pl.BlockSpec((None, None, s_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+        pl.BlockSpec((None, None, s_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+    ]
+    args = [acc, m, l]
+    if value_inverse is not None:
+        specs.append(pl.BlockSpec((None, d, d), lambda bi, h, ri: (h, 0, 0)))
+        args.append(value_inverse)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, splits=s, splits_pad=s_pad),
+        grid=(b, hkv, r),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((None, None, None, d), lambda bi, h, ri: (bi, h, ri, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, r, d), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=MERGE_NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="paged_decode_merge",
+    )(*args)

@@ -23,6 +23,8 @@ from pallas_kernels import decode_attention as da
 MIN_GROUP_PAD = 8
 # The Mosaic body applies the transforms per split program and dots one code plane at a time.
 HOISTS_TRANSFORMS = False
+# Split partials merged by a Pallas kernel (GPU: `merge_splits`) or by XLA ops (TPU).
+HAS_MERGE_KERNEL = False
 GATHER_MODES = ("pages",)  # one page per grid step through BlockSpecs
 INT_TO_FLOAT = ("convert", "exponent")
 DEFAULT_GATHER = "pages"

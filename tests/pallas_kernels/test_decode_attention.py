@@ -467,3 +467,31 @@ def test_validation_names_bad_shapes():
         )
     with pytest.raises(ValueError, match="q_len.shape"):
         da.decode_attention(**dict(x, q_len=x["q_len"][:1]), bits=2, sm_scale=0.1)
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+@pytest.mark.parametrize("with_inverse", [True, False])
+def test_gpu_merge_kernel_matches_xla_merge(splits: int, with_inverse: bool):
+    """The GPU merge kernel (split axis padded to a power of two through masked loads) equals
+    the XLA log-sum-exp merge followed by the value inverse, including an empty split and a
+    row with no key at all."""
+    from pallas_kernels.gpu import decode_attention as gpu_da
+
+    b, hkv, r, d = 2, 2, 4, 64
+    ks = jax.random.split(jax.random.key(3), 4)
+    acc = jax.random.normal(ks[0], (b, hkv, splits, r, d))
+    m = jax.random.normal(ks[1], (b, hkv, splits, r)) * 4
+    l = jax.random.uniform(ks[2], (b, hkv, splits, r), minval=0.5, maxval=3.0)
+    m = m.at[0, 0, 0].set(da.NEG_INF)  # an empty split (every row)...
+    l = l.at[0, 0, 0].set(0.0)
+    acc = acc.at[0, 0, 0].set(0.0)
+    m = m.at[1, 1, :, 2].set(da.NEG_INF)  # ...and one row that saw no key in any split
+    l = l.at[1, 1, :, 2].set(0.0)
+    acc = acc.at[1, 1, :, 2].set(0.0)
+    vi = jax.random.normal(ks[3], (hkv, d, d)) if with_inverse else None
+    got = gpu_da.merge_splits(acc, m, l, vi, interpret=True)
+    want = da._merge_partials(acc, m, l)
+    if vi is not None:
+        want = jnp.einsum("bkrd,kde->bkre", want, vi, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[1, 1, 2] == 0)
