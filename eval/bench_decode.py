@@ -231,7 +231,7 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_stages1": (2, dict(num_stages=1), {}),
     "int2_ppb8": (2, dict(pages_per_block=8), {}),
     # splits_factor multiplies the automatic split count, whose target was 512 programs up to
-    # run 9, 1024 in runs 10-11 and 512 again since run 12 (notes/device_runs.md).
+    # run 9, 1024 since (512 in run 12 only; notes/device_runs.md).
     "int2_ppb4_splits_x2": (2, dict(pages_per_block=4, splits_factor=2), {}),
     # One or two warps per program: no cross-warp row reductions or operand broadcasts
     # (M = 16 fits one warp's MMA tile), more programs resident per SM.

@@ -45,11 +45,12 @@ LOG2E = math.log2(math.e)
 CODE_DOT_DTYPE = jnp.float16
 BACKENDS = ("gpu", "tpu")
 # Programs to launch when choosing splits automatically (132 SMs on H200, a few resident
-# programs each). The low-bit kernel now holds 4 programs per SM (128 registers), so 512 is
-# one wave: H200 run 11 measured it level at 8 x 128k (0.7119 vs 0.7115 ms with 1024) and 9%
-# faster at 1 x 64k (0.0870 vs 0.0955 ms). The BF16 baseline keeps the 512 it was tuned with.
+# programs each). The low-bit kernel: ~1024 (H200 runs 8-12). Run 12 measured 512 level with
+# 1024 for 2 bits (0.689 ms at 8 x 128k, 0.086 at 1 x 64k) but 4 bits 25% slower at 8 x 128k
+# (1.124 vs 0.899 ms in run 11): fewer, longer programs leave a partial last wave. The BF16
+# baseline keeps the 512 it was tuned with.
 _TARGET_PROGRAMS = 512
-_TARGET_PROGRAMS_LOWBIT = 512
+_TARGET_PROGRAMS_LOWBIT = 1024
 BF16_PAGES_PER_BLOCK = 8
 
 
