@@ -16,7 +16,9 @@ small-integer code planes; scales and zero points are applied per token outside 
 
 Backends: ``backend="gpu"`` runs the Pallas Triton body in `pallas_kernels.gpu`,
 ``backend="tpu"`` the Mosaic body in `pallas_kernels.tpu`; both return per-split partial
-results that `_merge_splits` combines by log-sum-exp. ``interpret=True`` runs either on CPU.
+results, combined by log-sum-exp in the GPU merge kernel (`pallas_kernels.gpu`
+``merge_splits``, with the value inverse) or by `_merge_splits` (XLA, TPU).
+``interpret=True`` runs either on CPU.
 
 Example::
 

@@ -7,8 +7,8 @@ through the page table (a pointer gather), so packed codes are unpacked in regis
 materialised as BF16 in device memory. Triton specifics (gathers, inline PTX, launch knobs,
 the 16-row minimum of a dot) live here; the per-tile math is shared with the TPU body.
 
-The low-bit loop (defaults ``gather="prefetch"``, ``int_to_float="asm"``; H200 numbers from
-BENCHMARKS.md, runs 7-9, 8 x 128k):
+The low-bit loop (defaults ``gather="rows"``, ``int_to_float="asm"``, ``row_sums="deferred"``;
+H200 numbers from BENCHMARKS.md, runs 7-13, 8 x 128k):
 
 * Inline PTX turns 4 packed bytes into one plane's 4 float16 codes with 2 ``prmt`` (shared
   by the planes), 2 ``lop3`` and 2 ``fma.f16x2``: two codes per 32-bit instruction instead
@@ -16,22 +16,25 @@ BENCHMARKS.md, runs 7-9, 8 x 128k):
   ``1024 + 2**(i*bits) * c`` (float16 bits ``0x6400 | field``) and the ``fma`` scales it back
   to ``c`` exactly. Measured: 1.22 -> 1.02 ms.
 * One 2-D pointer gather per tile, keys loaded already transposed (``[d/n, T]``), values
-  ``[T, d/n]``: nothing but elementwise ops between a load and its dot, which is what
-  Triton's dot-operand pass needs to move the operand-layout conversion up to the packed
-  bytes (whether it does here is not confirmed: XLA writes no PTX for these kernels).
-  Measured: -9% with the int16 unpack, ~1% with the PTX unpack.
-* ``"prefetch"`` loads the next block's tiles and scales (and the page numbers of the block
-  after) a step ahead, so the page table -> codes chain is not waited on at the top of a
-  step. Measured neutral (0.85 vs 0.87 ms, 0.107 vs 0.106 ms at 1 x 64k); kept because the
-  tuned defaults were measured with it.
+  ``[T, d/n]``: nothing but elementwise ops between a load and its dot, so Triton loads the
+  packed bytes (cp.async, pipelined) and converts *them* to the tensor-core operand layout;
+  the unpacked float16 planes never cross shared memory (confirmed in the sm_90 build of
+  `notes/kernel_sass.py`). ``"prefetch"`` (the next block's tiles carried through the loop
+  in registers) defeats that conversion and measured 0.79 vs 0.71 ms (run 11).
+* ``row_sums="deferred"``: the softmax denominator and the zero-point correction are
+  ``[Gp, T]`` tiles reduced once after the loop, so the row max is the only cross-warp
+  reduction per step; the query carries ``scale_log2``. Measured 0.726 -> 0.713 ms with the
+  row gather, 0.855 -> 0.775 with the prefetch (run 10).
 
-`ncu` (run 8) shows the loop latency-bound: 2 programs per SM (shared memory), issue slots
-~30% busy. BENCHMARKS.md lists what would close the gap to the bandwidth targets.
+`ncu` (run 11): 128 registers, 16 KB shared memory, 4 programs per SM, issue slots ~53% busy:
+the loop is about half issue-bound, half latency-bound. BENCHMARKS.md lists what would close
+the gap to the bandwidth targets.
 
-The query transform and the value inverse are not applied per split program: `head_matmul`
-runs them once per (sequence, KV head) as a small prologue kernel on the query and an epilogue
-kernel on the merged output (measured: 0.1-0.2 ms of float32 dots per call when each of the
-~512 split programs repeated them).
+The query transform and the value inverse are not applied per split program (measured
+0.1-0.2 ms of float32 dots per call when each of ~512 programs repeated them): `head_matmul`
+applies the query transform in a small prologue kernel, and `merge_splits` merges the split
+partials (which hold only the real query rows) and applies the value inverse in one epilogue
+kernel.
 """
 
 from __future__ import annotations
