@@ -28,7 +28,9 @@ values ``a = |x|``: with sorted values ``v_0 <= ... <= v_{G-1}``, ``h = kappa * 
 ``lo = floor(h)``, ``hi = min(lo + 1, G - 1)``, ``q = v_lo + (h - lo) * (v_hi - v_lo)``.
 :func:`quantile_sorted` computes it with a sort (fast on whole arrays); :func:`quantile_rank`
 computes the same order statistics by rank counting, which a kernel can do exactly: the k-th
-order statistic is the smallest ``a_i`` with ``#{j : a_j <= a_i} > k``. Both then apply the same
+order statistic is the smallest ``a_i`` with ``#{j : a_j <= a_i} > k``; :func:`quantile_radix`
+finds it bit by bit over the float's order-preserving integer key (32 counting passes over
+``[..., G]`` instead of one ``[..., G, G]`` comparison tensor). All apply the same
 interpolation, so they agree bit for bit.
 """
 
@@ -194,7 +196,51 @@ def quantile_rank(
     return _interpolate(v_lo, v_hi, frac)
 
 
-QUANTILE_IMPLS = {"sort": quantile_sorted, "rank": quantile_rank}
+_SIGN = -(1 << 31)  # int32 0x80000000
+_LOW31 = (1 << 31) - 1  # int32 0x7fffffff
+
+
+def _order_key(a: jax.Array) -> jax.Array:  # f32[...] -> i32[...]
+    """Integer key with the float's order (signed int32 compare): non-negative floats keep
+    their bits, negative floats flip the 31 bits below the sign."""
+    b = jax.lax.bitcast_convert_type(a, jnp.int32)
+    return jnp.where(b >= 0, b, b ^ _LOW31)
+
+
+def _from_order_key(k: jax.Array) -> jax.Array:  # i32[...] -> f32[...]
+    return jax.lax.bitcast_convert_type(jnp.where(k >= 0, k, k ^ _LOW31), jnp.float32)
+
+
+def quantile_radix(
+    a: jax.Array,  # f32[..., G] (no NaN)
+    kappa: jax.Array | float,  # f32 broadcastable to [..., 1]
+) -> jax.Array:  # f32[..., 1]
+    """Same value as :func:`quantile_sorted`, by a radix select on the order keys (kernels).
+
+    The ``lo``-th order statistic's key ``K`` is built from the top bit down in the unsigned
+    view ``U = K ^ 0x80000000``: bit ``b`` is set when fewer than ``lo + 1`` keys lie below the
+    candidate with it set. The ``hi``-th statistic is then ``K`` itself if more than ``hi`` keys
+    are ``<= K``, else the smallest value above ``K`` (``hi = lo + 1`` there). 33 counting
+    passes over ``[..., G]``; exact, like :func:`quantile_rank`.
+    """
+    n = a.shape[-1]
+    lo, hi, frac = quantile_position(jnp.broadcast_to(kappa, (*a.shape[:-1], 1)), n)
+    key = _order_key(a.astype(jnp.float32))
+    prefix = jnp.zeros(lo.shape, jnp.int32)  # U's bits found so far
+    for bit in range(31, -1, -1):
+        cand = prefix | jnp.int32(_SIGN if bit == 31 else 1 << bit)
+        below = jnp.sum((key < (cand ^ _SIGN)).astype(jnp.int32), axis=-1, keepdims=True)
+        prefix = jnp.where(below <= lo, cand, prefix)
+    k_lo = prefix ^ _SIGN
+    v_lo = _from_order_key(k_lo)
+    at_most = jnp.sum((key <= k_lo).astype(jnp.int32), axis=-1, keepdims=True)
+    inf = jnp.float32(jnp.inf)
+    above = jnp.min(jnp.where(key > k_lo, a, inf), axis=-1, keepdims=True)
+    v_hi = jnp.where(at_most > hi, v_lo, above)
+    return _interpolate(v_lo, v_hi, frac)
+
+
+QUANTILE_IMPLS = {"sort": quantile_sorted, "rank": quantile_rank, "radix": quantile_radix}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +291,7 @@ def dequantize_groups(
 def oscar_clip(
     x: jax.Array,  # f32[..., G]
     kappa: jax.Array | float,  # broadcastable to [..., 1]
-    quantile: Literal["sort", "rank"] = "sort",
+    quantile: Literal["sort", "rank", "radix"] = "sort",
 ) -> jax.Array:  # f32[..., G]
     """OSCAR per-token percentile clip: clamp to +-quantile_kappa(|x|) of the group."""
     tau = QUANTILE_IMPLS[quantile](jnp.abs(x), kappa)
@@ -259,7 +305,7 @@ def quantize_groups(
     *,
     clip: jax.Array | float | None = None,  # broadcastable to [..., 1]
     meta_dtype: jnp.dtype = jnp.float16,
-    quantile: Literal["sort", "rank"] = "sort",
+    quantile: Literal["sort", "rank", "radix"] = "sort",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Quantizes each group (last axis) with one of the three methods.
 
@@ -270,7 +316,8 @@ def quantize_groups(
       clip: oscar: kappa in (0, 1] (None = 1, no clip); quest: the clip endpoint in RMS units
         (None = alpha_b); minmax: must be None.
       meta_dtype: storage dtype of scale and zero; they are rounded to it before coding.
-      quantile: 'sort' (reference) or 'rank' (kernel) implementation of the oscar quantile.
+      quantile: 'sort' (reference) or 'rank' / 'radix' (kernels) implementation of the oscar
+        quantile.
 
     Returns:
       ``(codes i32[..., G], scale f32[..., 1], zero f32[..., 1])`` with
@@ -331,7 +378,7 @@ def transform_quantize_tile(
     bits: int,
     group_size: int,
     meta_dtype: jnp.dtype,
-    quantile: Literal["sort", "rank"] = "rank",
+    quantile: Literal["sort", "rank", "radix"] = "radix",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One tile of the quantize+pack pipeline: ``x @ A`` -> group quantize -> planar pack.
 

@@ -7,7 +7,7 @@ to 2 or 4 bits (:mod:`pallas_kernels.layout`). Used at prefill and at each flush
 
 * :func:`ref_quantize_pack` -- pure jnp, sort-based quantile, whole-array ops.
 * :func:`quantize_pack_kernel` -- the Pallas kernel (``backend='gpu'``: Triton, ``'tpu'``: Mosaic),
-  rank-count quantile. Same math, so codes are bit-identical to the reference whenever the
+  radix-select quantile. Same math, so codes are bit-identical to the reference whenever the
   matmul ``x @ A`` rounds identically; where it does not (different summation order on
   hardware), a value within an ulp of a rounding boundary may land one code apart and
   scale/zero differ in the last float32 bit before rounding to ``meta_dtype``.
@@ -153,9 +153,11 @@ def quantize_pack(
 
     Runs :func:`quantize_pack_kernel`, except for few tokens on GPU hardware (the decode-step
     flush, ``N <= GPU_XLA_MAX_TOKENS``), where the XLA-fused reference is used: measured on an
-    H200 (results/bench_decode_h200_run4.json), one token x 8 KV heads x 128 took ~0.70 ms per
-    call in the kernel (N padded to a 16-row block; the rank-count quantile over 16 x 128 x 128
-    comparisons per program) and ~0.04 ms through XLA. Both compute the same exact quantile.
+    H200 (results/bench_decode_h200_run4.json, again in runs 9-13), one token x 8 KV heads x 128
+    took ~0.70 ms per call in the kernel and ~0.04 ms through XLA. That kernel used the rank-count
+    quantile, which the sm_90 build spills to local memory (17 KB per thread); the radix select
+    that replaced it builds without spills but has not been timed on a GPU yet, so the routing
+    stays. Both compute the same exact quantile.
 
     Args and returns: as in :func:`quantize_pack_kernel`.
     """

@@ -2,8 +2,10 @@
 
 Grid ``(Hkv, N / block_tokens)``; each program loads a ``[block_tokens, d]`` tile of one KV
 head and that head's ``[d, d]`` transform, and runs
-:func:`pallas_kernels.quant_math.transform_quantize_tile` (matmul, rank-count quantile, clip,
-scale/zero, round, planar pack) entirely in registers. Inputs are head-major (the public wrapper
+:func:`pallas_kernels.quant_math.transform_quantize_tile` (matmul, radix-select quantile,
+clip, scale/zero, round, planar pack) entirely in registers. The radix select replaced a rank
+count whose ``[16, 1, 128, 128]`` comparison tensor the sm_90 build spilled to local memory
+(17 KB per thread, `notes/kernel_sass.py`-style build: 218 registers and no spill now). Inputs are head-major (the public wrapper
 transposes). Triton-specific choices (power-of-two blocks, ``num_warps``) stay in this file.
 """
 
@@ -42,7 +44,7 @@ def _kernel(
         bits=bits,
         group_size=group_size,
         meta_dtype=meta_dtype,
-        quantile="rank",
+        quantile="radix",
     )
     codes_ref[...] = packed.astype(jnp.uint8)
     scale_ref[...] = scale

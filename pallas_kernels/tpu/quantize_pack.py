@@ -5,9 +5,10 @@ VMEM tile of one KV head plus that head's ``[d, d]`` transform (resident across 
 axis, its block index does not change) and the head's clip value from SMEM, and runs
 :func:`pallas_kernels.quant_math.transform_quantize_tile`.
 
-Exact quantile on TPU: the rank count is a ``[T, d/G, G, G]`` broadcast compare plus a
-last-axis reduction -- exact (selection, no approximation) and within Mosaic's vector ops, but
-its intermediate is ``T * d * G`` elements, so keep ``block_tokens`` small (8-32) for G = 128.
+Exact quantile on TPU: the radix select of `quant_math.quantile_radix` -- 33 compare +
+last-axis count passes over the ``[T, d/G, G]`` tile (exact selection, no approximation),
+within Mosaic's 32-bit vector ops. (The rank count it replaced built a ``[T, d/G, G, G]``
+intermediate.) Lowers for the TPU platform from a CPU machine.
 The group view ``[T, d] -> [T, d/G, G]`` splits the lane axis; for G < 128 Mosaic relayouts it.
 Verified on CPU with ``interpret=pltpu.InterpretParams()``; not yet run on TPU hardware.
 """
@@ -49,7 +50,7 @@ def _kernel(
         bits=bits,
         group_size=group_size,
         meta_dtype=meta_dtype,
-        quantile="rank",
+        quantile="radix",
     )
     codes_ref[...] = packed.astype(jnp.uint8)
     scale_ref[...] = scale

@@ -218,10 +218,29 @@ def test_rank_quantile_equals_sort_quantile_and_numpy(seed, n, kappa, ties):
     a = np.abs(rng.integers(-4, 5, (6, n)) if ties else rng.standard_t(3, (6, n)))
     a = a.astype(np.float32)
     rank = np.asarray(qm.quantile_rank(jnp.asarray(a), kappa))
+    radix = np.asarray(qm.quantile_radix(jnp.asarray(a), kappa))
     srt = np.asarray(qm.quantile_sorted(jnp.asarray(a), kappa))
     np.testing.assert_array_equal(rank, srt)  # same order statistics, same interpolation
+    np.testing.assert_array_equal(radix, srt)
     ref = np.quantile(a.astype(np.float64), np.float32(kappa), axis=-1, keepdims=True)
     np.testing.assert_allclose(rank, ref, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.37, 0.9, 0.999, 1.0])
+def test_radix_quantile_on_signed_zero_denormal_and_infinite_values(kappa):
+    """The order key must rank negatives, -0/+0, denormals and infinities like a sort."""
+    rng = np.random.default_rng(5)
+    rows = [
+        rng.standard_normal(16),
+        np.array([np.inf, -np.inf, 1, 2, 3, -5, 0, -0.0] * 2),
+        rng.standard_normal(16) * 1e-40,  # float32 denormals
+        np.full(16, -2.5),  # all tied, negative
+        np.concatenate([np.full(15, 7.0), [-7.0]]),
+    ]
+    a = jnp.asarray(np.stack(rows).astype(np.float32))
+    want = np.asarray(qm.quantile_sorted(a, kappa))
+    got = np.asarray(qm.quantile_radix(a, kappa))
+    np.testing.assert_array_equal(got, want)
 
 
 # ---- quest alpha_b ---------------------------------------------------------------------------
