@@ -5,7 +5,8 @@ the hottest loop (the low-bit loop). Costs no device time.
     python notes/kernel_sass.py OUT_DIR VARIANT [VARIANT ...] --triton-python PY [--warps 4]
 
 Step 1 (this interpreter: the repo's venv, jax on CPU) lowers the variant (a row name of
-`eval.bench_decode.LOWBIT_VARIANTS`, at the shape of `notes/decode_kernel_once.py`) to Triton
+`eval.bench_decode.LOWBIT_VARIANTS`, at the shape of `notes/decode_kernel_once.py`, or
+``quantize_pack_radix`` / ``quantize_pack_rank`` for the GPU quantize_pack kernel) to Triton
 IR with ``lowering_platforms=("cuda",)`` and writes ``VARIANT.ttir``. Step 2 runs ``PY`` (any
 Python with ``pip install triton`` -- Triton's wheel carries ptxas and cuobjdump; kept out of
 the project's dependencies) to compile it with the variant's warps/stages for
@@ -48,10 +49,54 @@ print(json.dumps({"shared_bytes": k.metadata.shared, "resources": res}))
 """
 
 
+QUANTIZE_PACK_VARIANTS = ("quantize_pack_radix", "quantize_pack_rank")
+
+
+def _dump_quantize_pack(variant: str, out_dir: str) -> tuple[str, dict]:
+    """The GPU quantize_pack kernel at 64 tokens x 8 KV heads x 128, 2 bits, oscar clip 0.95,
+    with its quantile implementation set by the variant name."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering
+
+    from pallas_kernels.gpu import quantize_pack as gqp
+
+    captured = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    default = gqp.QUANTILE
+    gqp.QUANTILE = variant.rsplit("_", 1)[1]
+    try:
+        x = jnp.zeros((8, 64, 128), jnp.bfloat16)
+        a = jnp.zeros((8, 128, 128), jnp.float32)
+        clip = jnp.full((8, 1), 0.95, jnp.float32)
+        kw = dict(method="oscar", bits=2, group_size=128, meta_dtype=jnp.float16)
+        kw.update(block_tokens=16, num_warps=4, interpret=False)
+        jax.jit(lambda x, a, c: gqp.quantize_pack_gpu(x, a, c, **kw)).trace(x, a, clip).lower(
+            lowering_platforms=("cuda",)
+        )
+    finally:
+        gqp.QUANTILE = default
+        lowering.lower_jaxpr_to_triton_module = original
+    path = os.path.join(out_dir, f"{variant}.ttir")
+    with open(path, "w") as f:
+        f.write(captured[0])
+    return path, dict(warps=4, stages=1)
+
+
 def dump_ttir(variant: str, out_dir: str) -> tuple[str, dict]:
     """Lowers one variant to TTIR; returns (path, launch options)."""
     import jax
     from jax._src.pallas.triton import lowering
+
+    if variant in QUANTIZE_PACK_VARIANTS:
+        return _dump_quantize_pack(variant, out_dir)
 
     from eval import bench_decode as bd
     from notes import decode_kernel_once as once
@@ -146,20 +191,23 @@ def main() -> None:
         by_regs = 65536 // (threads * (-(-regs // 8) * 8))
         by_smem = (228 * 1024) // (info["shared_bytes"] + 1024)
         with open(os.path.splitext(path)[0] + ".sass") as f:
-            mix = loop_mix(f.read())
+            sass = f.read()
+        mix = loop_mix(sass)
+        total = len(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+\S", sass, flags=re.M))
         report[v] = dict(
             launch,
             registers=regs,
             stack_bytes=spill,
             shared_bytes=info["shared_bytes"],
             programs_per_sm=min(by_regs, by_smem, 64 // launch["warps"]),
+            sass_instructions=total,
             loop=mix,
         )
         line = mix.get("instructions", 0)
         print(
             f"{v:28s} warps {launch['warps']} regs {regs:3d} stack {spill:3d} "
             f"smem {info['shared_bytes']:6d} programs/SM {report[v]['programs_per_sm']} "
-            f"loop instr/warp {line} (x warps {line * launch['warps']})"
+            f"loop instr/warp {line} (x warps {line * launch['warps']}) total SASS {total}"
         )
     with open(os.path.join(a.out_dir, "kernel_sass.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -22,6 +22,11 @@ from pallas_kernels import layout
 from pallas_kernels import quant_math as qm
 
 
+# Kernel-side quantile implementation (`quant_math.QUANTILE_IMPLS`); "rank" is kept for the
+# build comparison in notes/kernel_sass.py.
+QUANTILE = "radix"
+
+
 def _kernel(
     x_ref,  # f32|bf16[T, d]
     a_ref,  # f32[d, d]
@@ -44,7 +49,7 @@ def _kernel(
         bits=bits,
         group_size=group_size,
         meta_dtype=meta_dtype,
-        quantile="radix",
+        quantile=QUANTILE,
     )
     codes_ref[...] = packed.astype(jnp.uint8)
     scale_ref[...] = scale
