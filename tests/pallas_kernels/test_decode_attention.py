@@ -465,6 +465,12 @@ def test_validation_names_bad_shapes():
         da.decode_attention_variant(
             **x, bits=2, sm_scale=0.1, backend="tpu", interpret=True, int_to_float="asm"
         )
+    with pytest.raises(ValueError, match="row_sums='deferred'"):
+        da.decode_attention_variant(
+            **x, bits=2, sm_scale=0.1, backend="tpu", interpret=True, row_sums="deferred"
+        )
+    with pytest.raises(ValueError, match="row_sums='lazy'"):
+        da.decode_attention_variant(**x, bits=2, sm_scale=0.1, interpret=True, row_sums="lazy")
     with pytest.raises(ValueError, match="q_len.shape"):
         da.decode_attention(**dict(x, q_len=x["q_len"][:1]), bits=2, sm_scale=0.1)
 
