@@ -1,6 +1,7 @@
 """Runs one low-bit decode-attention variant once, for profilers.
 
-    ncu --clock-control none -k regex:paged_decode_int python3 notes/decode_kernel_once.py int2_pallas
+    ncu --clock-control none -k regex:paged_decode_int \
+        python3 notes/decode_kernel_once.py int2_pallas
     ncu --clock-control none --metrics gpu__time_duration.sum \
         python3 notes/decode_kernel_once.py int2_pallas 1x65536     # every kernel of one call
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -49,19 +50,12 @@ print(json.dumps({"shared_bytes": k.metadata.shared, "resources": res}))
 """
 
 
-QUANTIZE_PACK_VARIANTS = ("quantize_pack_radix", "quantize_pack_rank")
-
-
-def _dump_quantize_pack(variant: str, out_dir: str) -> tuple[str, dict]:
-    """The GPU quantize_pack kernel at 64 tokens x 8 KV heads x 128, 2 bits, oscar clip 0.95,
-    with its quantile implementation set by the variant name."""
-    import jax
-    import jax.numpy as jnp
+@contextlib.contextmanager
+def _captured_triton_modules():
+    """Collects the Triton IR text of every Pallas kernel lowered inside the block."""
     from jax._src.pallas.triton import lowering
 
-    from pallas_kernels.gpu import quantize_pack as gqp
-
-    captured = []
+    captured: list[str] = []
     original = lowering.lower_jaxpr_to_triton_module
 
     def capture(*args, **kwargs):
@@ -70,6 +64,23 @@ def _dump_quantize_pack(variant: str, out_dir: str) -> tuple[str, dict]:
         return result
 
     lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield captured
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+QUANTIZE_PACK_VARIANTS = ("quantize_pack_radix", "quantize_pack_rank")
+
+
+def _dump_quantize_pack(variant: str, out_dir: str) -> tuple[str, dict]:
+    """The GPU quantize_pack kernel at 64 tokens x 8 KV heads x 128, 2 bits, oscar clip 0.95,
+    with its quantile implementation set by the variant name."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gpu import quantize_pack as gqp
+
     default = gqp.QUANTILE
     gqp.QUANTILE = variant.rsplit("_", 1)[1]
     try:
@@ -78,12 +89,12 @@ def _dump_quantize_pack(variant: str, out_dir: str) -> tuple[str, dict]:
         clip = jnp.full((8, 1), 0.95, jnp.float32)
         kw = dict(method="oscar", bits=2, group_size=128, meta_dtype=jnp.float16)
         kw.update(block_tokens=16, num_warps=4, interpret=False)
-        jax.jit(lambda x, a, c: gqp.quantize_pack_gpu(x, a, c, **kw)).trace(x, a, clip).lower(
-            lowering_platforms=("cuda",)
-        )
+        with _captured_triton_modules() as captured:
+            jax.jit(lambda x, a, c: gqp.quantize_pack_gpu(x, a, c, **kw)).trace(x, a, clip).lower(
+                lowering_platforms=("cuda",)
+            )
     finally:
         gqp.QUANTILE = default
-        lowering.lower_jaxpr_to_triton_module = original
     path = os.path.join(out_dir, f"{variant}.ttir")
     with open(path, "w") as f:
         f.write(captured[0])
@@ -93,7 +104,6 @@ def _dump_quantize_pack(variant: str, out_dir: str) -> tuple[str, dict]:
 def dump_ttir(variant: str, out_dir: str) -> tuple[str, dict]:
     """Lowers one variant to TTIR; returns (path, launch options)."""
     import jax
-    from jax._src.pallas.triton import lowering
 
     if variant in QUANTIZE_PACK_VARIANTS:
         return _dump_quantize_pack(variant, out_dir)
@@ -102,17 +112,8 @@ def dump_ttir(variant: str, out_dir: str) -> tuple[str, dict]:
     from notes import decode_kernel_once as once
     from pallas_kernels import decode_attention as da
 
-    captured = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
     _, opts, _ = bd.LOWBIT_VARIANTS[variant]
     real = da.decode_attention_variant
-    lowering.lower_jaxpr_to_triton_module = capture
 
     def lower_only(**kw):
         arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
@@ -122,10 +123,10 @@ def dump_ttir(variant: str, out_dir: str) -> tuple[str, dict]:
 
     da.decode_attention_variant = lower_only
     try:
-        once.run_once(variant, 8, 16384)
+        with _captured_triton_modules() as captured:
+            once.run_once(variant, 8, 16384)
     finally:
         da.decode_attention_variant = real
-        lowering.lower_jaxpr_to_triton_module = original
     kernels = [m for m in captured if "paged_decode_int" in m.split("\n", 1)[0]]
     path = os.path.join(out_dir, f"{variant}.ttir")
     with open(path, "w") as f:

@@ -716,9 +716,7 @@ def decode_attention(
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums")
-)
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums"))
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]
     k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]

@@ -5,8 +5,9 @@ head and that head's ``[d, d]`` transform, and runs
 :func:`pallas_kernels.quant_math.transform_quantize_tile` (matmul, radix-select quantile,
 clip, scale/zero, round, planar pack) entirely in registers. The radix select replaced a rank
 count whose ``[16, 1, 128, 128]`` comparison tensor the sm_90 build spilled to local memory
-(17 KB per thread, `notes/kernel_sass.py`-style build: 218 registers and no spill now). Inputs are head-major (the public wrapper
-transposes). Triton-specific choices (power-of-two blocks, ``num_warps``) stay in this file.
+(17 KB per thread; 218 registers and no spill now, `notes/kernel_sass.py`). Inputs are
+head-major (the public wrapper transposes). Triton-specific choices (power-of-two blocks,
+``num_warps``) stay in this file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import layout
 from pallas_kernels import quant_math as qm
-
 
 # Kernel-side quantile implementation (`quant_math.QUANTILE_IMPLS`); "rank" is kept for the
 # build comparison in notes/kernel_sass.py.
