@@ -213,6 +213,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         row_page, row_slot = rows // page, rows % page  # block-relative page, slot in page
         cols = jnp.arange(mw, dtype=jnp.int32)
         max_block = q_pps // ppb - 1
+        deferred = cfg.row_sums == "deferred"
 
         def phys_of(j):  # i32[T] physical page of each row of block j
             return qtab_ref[j * ppb + row_page]
@@ -255,14 +256,14 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
             alpha = jnp.exp2(m_prev - m_new)
             p = jnp.exp2(logits - m_new[:, None])
-            # row_sums="deferred": l and the zero-point correction stay [Gp, T] tiles,
-            # rescaled like the accumulators and reduced once after the loop, so the row max
-            # is the only cross-warp reduction per step.
             planes = unpack_planes(vp, cfg.bits, cfg.int_to_float, interpret)
             w16 = [(p * vs[g]).astype(da.CODE_DOT_DTYPE) for g in range(ng)]
             # Rounded weights in the correction, so it matches what the dot summed exactly.
             wz = [w16[g].astype(jnp.float32) * vz[g] for g in range(ng)]
             if deferred:
+                # l and the zero-point correction stay [Gp, T] tiles, rescaled like the
+                # accumulators and reduced once after the loop: the row max is the only
+                # cross-warp reduction per step.
                 l_t = l_t * alpha[:, None] + p
                 corr_t = tuple(corr_t[g] * alpha[:, None] + wz[g] for g in range(ng))
                 ups = [da._dot_nn(w16[pg[i]], planes[i]) for i in range(n)]
@@ -274,7 +275,6 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             return m_new, acc, l_t, corr_t
 
         nb = _n_blocks(q_len, q_start, t, q_pps // ppb)
-        deferred = cfg.row_sums == "deferred"
         l_t0 = jnp.zeros((gp, t if deferred else 1), jnp.float32)
         zero_corr = tuple(jnp.zeros((gp, t if deferred else 1), jnp.float32) for _ in range(ng))
         state = (m_i, accs, l_t0, zero_corr)
