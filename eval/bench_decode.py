@@ -208,8 +208,9 @@ def _dense_attention(q, k, v, sm_scale):
 LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_pallas": (2, {}, {}),
     "int4_pallas": (4, {}, {}),
-    # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float`); the GPU default is
-    # prefetch + asm. pages + exponent was the default of runs 5-6.
+    # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float` / `row_sums`); the GPU
+    # default is rows + asm + deferred since run 11 (prefetch + asm in runs 8-10, pages +
+    # exponent in runs 5-6).
     "int2_rows_asm": (2, dict(gather="rows", int_to_float="asm"), {}),
     "int2_prefetch_asm": (2, dict(gather="prefetch", int_to_float="asm"), {}),
     "int2_prefetch_exponent": (2, dict(gather="prefetch", int_to_float="exponent"), {}),
