@@ -226,11 +226,14 @@ def quantile_radix(
     n = a.shape[-1]
     lo, hi, frac = quantile_position(jnp.broadcast_to(kappa, (*a.shape[:-1], 1)), n)
     key = _order_key(a.astype(jnp.float32))
-    prefix = jnp.zeros(lo.shape, jnp.int32)  # U's bits found so far
-    for bit in range(31, -1, -1):
-        cand = prefix | jnp.int32(_SIGN if bit == 31 else 1 << bit)
+
+    def step(i, prefix):  # prefix: U's bits found so far, from the top
+        cand = prefix | jnp.left_shift(jnp.int32(1), 31 - i)  # bit 31: 0x80000000
         below = jnp.sum((key < (cand ^ _SIGN)).astype(jnp.int32), axis=-1, keepdims=True)
-        prefix = jnp.where(below <= lo, cand, prefix)
+        return jnp.where(below <= lo, cand, prefix)
+
+    # A loop, not 32 unrolled passes: one pass of code in the kernels and in interpret mode.
+    prefix = jax.lax.fori_loop(0, 32, step, jnp.zeros(lo.shape, jnp.int32))
     k_lo = prefix ^ _SIGN
     v_lo = _from_order_key(k_lo)
     at_most = jnp.sum((key <= k_lo).astype(jnp.int32), axis=-1, keepdims=True)

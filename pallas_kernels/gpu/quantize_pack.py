@@ -5,7 +5,7 @@ head and that head's ``[d, d]`` transform, and runs
 :func:`pallas_kernels.quant_math.transform_quantize_tile` (matmul, radix-select quantile,
 clip, scale/zero, round, planar pack) entirely in registers. The radix select replaced a rank
 count whose ``[16, 1, 128, 128]`` comparison tensor the sm_90 build spilled to local memory
-(17 KB per thread; 218 registers and no spill now, `notes/kernel_sass.py`). Inputs are
+(17 KB per thread; 212 registers and no spill now, `notes/kernel_sass.py`). Inputs are
 head-major (the public wrapper transposes). Triton-specific choices (power-of-two blocks,
 ``num_warps``) stay in this file.
 """
