@@ -13,6 +13,9 @@ if [[ $steps == *tests* ]]; then
     tests/pallas_kernels/test_decode_attention.py \
     -k "TestDecodeAttention and not Interpret and not sweep" > "$out/tests.log" 2>&1
   echo "tests rc=$?" >> "$out/gpu.txt"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider \
+    tests/pallas_kernels/test_quantize_pack.py -k hardware > "$out/qp_tests.log" 2>&1
+  echo "quantize_pack tests rc=$?" >> "$out/gpu.txt"
 fi
 if [[ $steps == *bench* ]]; then
   # shellcheck disable=SC2086
