@@ -244,21 +244,18 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Softmax row sums reduced every step (the loop of runs 7-9) instead of deferred.
     "int2_per_step": (2, dict(row_sums="per_step"), {}),
     "int2_warps8_per_step": (2, dict(num_warps=8, row_sums="per_step"), {}),
-    "int2_warps8_ppb8": (2, dict(num_warps=8, pages_per_block=8), {}),
-    "int2_warps8_splits_half": (2, dict(num_warps=8, splits_factor=0.5), {}),
     "int2_rows_asm_per_step": (2, dict(gather="rows", int_to_float="asm", row_sums="per_step"), {}),
     "int2_rows_asm_warps8": (2, dict(gather="rows", int_to_float="asm", num_warps=8), {}),
-    "int2_rows_asm_ppb8": (2, dict(gather="rows", int_to_float="asm", pages_per_block=8), {}),
-    "int2_rows_asm_stages3": (2, dict(gather="rows", int_to_float="asm", num_stages=3), {}),
     "int2_splits_half": (2, dict(splits_factor=0.5), {}),
 }
 
 
-def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) -> None:
+def lowbit_variant(cfg: BenchConfig, batch: int, ctx: int, name: str) -> tuple[int, dict, dict]:
+    """(bits, `decode_attention_variant` keyword options, input overrides) of one
+    `LOWBIT_VARIANTS` row at one point: ``splits_factor`` resolved against the automatic split
+    count, the config's tuning knobs as the base."""
     bits, opts, override = LOWBIT_VARIANTS[name]
     opts = dict(opts)
-    sm = cfg.head_dim**-0.5
-    nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
     kw = dict(
         num_splits=cfg.num_splits,
         pages_per_block=cfg.pages_per_block,
@@ -271,13 +268,25 @@ def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) 
     if factor is not None:
         ppb = kw["pages_per_block"] or da._backend_module(cfg.backend).DEFAULT_PAGES_PER_BLOCK
         kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, ppb)))
+    return bits, kw, override
+
+
+def with_overrides(x: dict, override: dict, batch: int) -> dict:
+    """Inputs of a variant row: ``q_len`` overridden means no low-bit tokens at all."""
+    for k, v in override.items():
+        x[k] = jnp.zeros((batch,), jnp.int32) if k == "q_len" else v
+    return x
+
+
+def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) -> None:
+    bits, kw, override = lowbit_variant(cfg, batch, ctx, name)
+    sm = cfg.head_dim**-0.5
+    nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
     caches = []
     for r in range(copies_for(nbytes)):
         x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r))
         x.pop("q")
-        for k, v in override.items():
-            x[k] = jnp.zeros((batch,), jnp.int32) if k == "q_len" else v
-        caches.append(x)
+        caches.append(with_overrides(x, override, batch))
     qs = _queries(cfg, batch, key)
 
     def call(x, q):

@@ -27,18 +27,12 @@ def run_once(name: str, batch: int, ctx: int) -> None:
     from pallas_kernels import decode_attention as da
 
     cfg = bd.BenchConfig()
-    bits, opts, override = bd.LOWBIT_VARIANTS[name]
-    opts = dict(opts)
-    factor = opts.pop("splits_factor", None)
-    if factor is not None:
-        ppb = opts.get("pages_per_block") or da._backend_module("gpu").DEFAULT_PAGES_PER_BLOCK
-        opts["num_splits"] = max(1, int(factor * bd._auto(cfg, batch, ctx, ppb)))
+    bits, kw, override = bd.lowbit_variant(cfg, batch, ctx, name)
     x = bd._make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.key(0))
-    for k, v in override.items():
-        x[k] = jax.numpy.zeros((batch,), jax.numpy.int32) if k == "q_len" else v
+    x = bd.with_overrides(x, override, batch)
     sm = cfg.head_dim**-0.5
     for _ in range(2):  # compile + warm, then the call a profile reads last
-        da.decode_attention_variant(**x, bits=bits, sm_scale=sm, **opts).block_until_ready()
+        da.decode_attention_variant(**x, bits=bits, sm_scale=sm, **kw).block_until_ready()
 
 
 if __name__ == "__main__":
