@@ -8,7 +8,7 @@ kernel), the BF16 Pallas paged kernel, XLA attention over a dense BF16 cache,
 ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)``. It reports median
 times, bytes read, achieved bandwidth against a read-bandwidth ceiling measured in the same
 run (a large reduction), speedups, and the quantize_pack cost per decode step (one token per
-sequence, K and V, all layers) when `pallas_kernels.quantize_pack` is present.
+sequence, K and V, all layers) and per prefill-sized call.
 
 Example (GPU)::
 
@@ -80,6 +80,7 @@ class BenchConfig:
     tune: bool = False
     lowbit_variants: tuple[str, ...] = ()
     quantize_pack: bool = True  # also time quantize_pack per decode step
+    quantize_pack_tokens: tuple[int, ...] = (64, 1024, 8192)  # prefill-sized calls timed
 
 
 # ------------------------------------------------------------------------------------------
@@ -437,34 +438,57 @@ def _time_torch_sdpa(cfg: BenchConfig, batch: int, ctx: int) -> float:
     return statistics.median(times)
 
 
-def quantize_pack_step_cost(cfg: BenchConfig, batch: int) -> dict:
-    """Per decode step cost of quantizing one new token per sequence (K and V, all layers):
-    one layer's call time (``[batch, Hkv, d]``) times ``2 * layers``, for the Pallas kernel
-    and for the XLA-fused pure-jnp reference (`ref_quantize_pack` under jit)."""
-    try:
-        from pallas_kernels import quantize_pack as qp
-    except ImportError as e:
-        return dict(batch=batch, error=f"quantize_pack unavailable: {e}")
+def _quantize_pack_call_ms(cfg: BenchConfig, tokens: int) -> dict:
+    """Median ms per ``quantize_pack`` call on ``[tokens, Hkv, d]`` (random orthogonal
+    transforms), bits 2 and 4, for the Pallas kernel (``kernel_*``) and the XLA-fused
+    pure-jnp reference under jit (``xla_ref_*``)."""
+    from pallas_kernels import quantize_pack as qp
+
     d = cfg.head_dim
     a = jnp.linalg.qr(jax.random.normal(jax.random.key(3), (cfg.kv_heads, d, d)))[0]
     keys = jax.random.split(jax.random.key(7), cfg.calls_per_repeat)
-    xs = [jax.random.normal(k, (batch, cfg.kv_heads, d), jnp.bfloat16) for k in keys]
-    out = dict(batch=batch, layers=cfg.layers)
+    xs = [jax.random.normal(k, (tokens, cfg.kv_heads, d), jnp.bfloat16) for k in keys]
     impls = {
         "kernel": lambda x, bits: qp.quantize_pack_kernel(
             x, a, 0.95, bits=bits, backend=cfg.backend
         ),
         "xla_ref": lambda x, bits: qp.ref_quantize_pack(x, a, 0.95, bits=bits),
     }
+    out = {}
     for impl, fn in impls.items():
         for bits in (2, 4):
             tag = f"{impl}_int{bits}"
             try:
                 t = _time_unrolled(lambda c, x, fn=fn, bits=bits: fn(x, bits), [{}], xs, cfg)
                 out[f"{tag}_per_call_ms"] = t * 1e3
-                out[f"{tag}_per_step_ms"] = t * 1e3 * 2 * cfg.layers
             except Exception as e:
                 out[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def quantize_pack_step_cost(cfg: BenchConfig, batch: int) -> dict:
+    """Per decode step cost of quantizing one new token per sequence (K and V, all layers):
+    one layer's call time (``[batch, Hkv, d]``) times ``2 * layers``, for the Pallas kernel
+    and for the XLA-fused pure-jnp reference (`ref_quantize_pack` under jit)."""
+    try:
+        calls = _quantize_pack_call_ms(cfg, batch)
+    except ImportError as e:
+        return dict(batch=batch, error=f"quantize_pack unavailable: {e}")
+    out = dict(batch=batch, layers=cfg.layers, **calls)
+    for key, ms in calls.items():
+        if key.endswith("_per_call_ms"):
+            out[key.replace("_per_call_ms", "_per_step_ms")] = ms * 2 * cfg.layers
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def quantize_pack_prefill_cost(cfg: BenchConfig, tokens: int) -> dict:
+    """One layer's K (or V) quantize_pack call over ``tokens`` prefill tokens: where the
+    kernel starts to beat the XLA reference (sets ``quantize_pack.GPU_XLA_MAX_TOKENS``)."""
+    try:
+        out = dict(tokens=tokens, **_quantize_pack_call_ms(cfg, tokens))
+    except ImportError as e:
+        return dict(tokens=tokens, error=f"quantize_pack unavailable: {e}")
     print(json.dumps(out), flush=True)
     return out
 
@@ -592,6 +616,21 @@ def markdown_table(result: dict) -> str:
                 a, c = q.get(f"{tag}_per_step_ms"), q.get(f"{tag}_per_call_ms")
                 cells.append("-" if a is None else f"{a:.3f} ({c * 1e3:.1f} us)")
             lines.append(f"| {q['batch']} | " + " | ".join(cells) + " |")
+    if result.get("quantize_pack_prefill"):
+        lines += [
+            "",
+            f"quantize_pack per prefill call (tokens x {result['config']['kv_heads']} KV heads, "
+            "one layer's K or V), ms:",
+            "",
+            "| tokens | kernel int2 | kernel int4 | XLA ref int2 | XLA ref int4 |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for q in result["quantize_pack_prefill"]:
+            cells = []
+            for tag in ("kernel_int2", "kernel_int4", "xla_ref_int2", "xla_ref_int4"):
+                c = q.get(f"{tag}_per_call_ms")
+                cells.append("-" if c is None else f"{c:.3f}")
+            lines.append(f"| {q['tokens']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -620,6 +659,11 @@ def main(cfg: BenchConfig) -> dict:
         if cfg.quantize_pack
         else []
     )
+    qp_prefill = (
+        [quantize_pack_prefill_cost(cfg, n) for n in cfg.quantize_pack_tokens]
+        if cfg.quantize_pack
+        else []
+    )
     result = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=dev.device_kind,
@@ -629,6 +673,7 @@ def main(cfg: BenchConfig) -> dict:
         rows=rows,
         speedups=_speedups(rows),
         quantize_pack=qp,
+        quantize_pack_prefill=qp_prefill,
     )
     try:
         import torch

@@ -2,7 +2,9 @@
 # One batched device call (see notes/device_runs.md): GPU correctness, benchmark, ncu, Engine.
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
-# steps: comma-separated from tests, bench, ncu (NCU_VARIANTS), kernels, paged, engine.
+# steps: comma-separated from tests, sweep, bench, ncu (NCU_VARIANTS), kernels, paged, engine.
+# sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
+# workers on the one GPU when pytest-xdist is there or its wheels were carried in .whl/.
 set -u
 out=$1; bench_args=$2; steps=${3:-tests,bench,engine}
 mkdir -p "$out"
@@ -16,6 +18,16 @@ if [[ $steps == *tests* ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider \
     tests/pallas_kernels/test_quantize_pack.py -k hardware > "$out/qp_tests.log" 2>&1
   echo "quantize_pack tests rc=$?" >> "$out/gpu.txt"
+fi
+if [[ $steps == *sweep* ]]; then
+  python3 -c "import xdist" 2>/dev/null || pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 4"
+  # shellcheck disable=SC2086
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SWEEP_TIMEOUT:-420} python3 -m pytest -q \
+    -p no:cacheprovider -m "" $par tests/pallas_kernels/test_decode_attention.py \
+    tests/pallas_kernels/test_quantize_pack.py -k "(TestDecodeAttention and not Interpret) or hardware" \
+    > "$out/sweep.log" 2>&1
+  echo "sweep rc=$? (${par:-serial})" >> "$out/gpu.txt"
 fi
 if [[ $steps == *bench* ]]; then
   # shellcheck disable=SC2086
@@ -42,7 +54,7 @@ if [[ $steps == *kernels* ]]; then
   done
 fi
 if [[ $steps == *paged* ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "" \
     tests/kvjax/test_paged_cache.py -k "pallas or identity" > "$out/paged_tests.log" 2>&1
   echo "paged rc=$?" >> "$out/gpu.txt"
 fi
@@ -51,4 +63,4 @@ if [[ $steps == *engine* ]]; then
     --modes dense,paged_pallas,paged_reference --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
   echo "engine rc=$?" >> "$out/gpu.txt"
 fi
-cat "$out/gpu.txt"; tail -5 "$out/tests.log" "$out/bench.log" 2>/dev/null
+cat "$out/gpu.txt"; tail -n 5 "$out/tests.log" "$out/sweep.log" "$out/bench.log" 2>/dev/null
