@@ -2,7 +2,8 @@
 # One batched device call (see notes/device_runs.md): GPU correctness, benchmark, ncu, Engine.
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
-# steps: comma-separated from tests, sweep, bench, ncu (NCU_VARIANTS), kernels, paged, engine.
+# steps: comma-separated from tests, sweep, suite, bench, ncu (NCU_VARIANTS), kernels, paged,
+# engine. suite = the README's test command (CI subset) on the GPU machine, 8 workers.
 # sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
 # workers on the one GPU when pytest-xdist is there or its wheels were carried in .whl/.
 set -u
@@ -19,8 +20,13 @@ if [[ $steps == *tests* ]]; then
     tests/pallas_kernels/test_quantize_pack.py -k hardware > "$out/qp_tests.log" 2>&1
   echo "quantize_pack tests rc=$?" >> "$out/gpu.txt"
 fi
+# Test-only packages the GPU image may lack, from wheels carried in .whl/ (no network there).
+for mod in xdist:pytest-xdist execnet:execnet hypothesis:hypothesis sortedcontainers:sortedcontainers \
+  gguf:gguf; do
+  python3 -c "import ${mod%%:*}" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --find-links .whl "${mod##*:}" > /dev/null 2>&1
+done
 if [[ $steps == *sweep* ]]; then
-  python3 -c "import xdist" 2>/dev/null || pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 4"
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SWEEP_TIMEOUT:-420} python3 -m pytest -q \
@@ -28,6 +34,11 @@ if [[ $steps == *sweep* ]]; then
     tests/pallas_kernels/test_quantize_pack.py -k "(TestDecodeAttention and not Interpret) or hardware" \
     > "$out/sweep.log" 2>&1
   echo "sweep rc=$? (${par:-serial})" >> "$out/gpu.txt"
+fi
+if [[ $steps == *suite* ]]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q \
+    -p no:cacheprovider -n 8 -rfE > "$out/suite.log" 2>&1
+  echo "suite rc=$?" >> "$out/gpu.txt"
 fi
 if [[ $steps == *bench* ]]; then
   # shellcheck disable=SC2086
@@ -63,4 +74,4 @@ if [[ $steps == *engine* ]]; then
     --modes dense,paged_pallas,paged_reference --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
   echo "engine rc=$?" >> "$out/gpu.txt"
 fi
-cat "$out/gpu.txt"; tail -n 5 "$out/tests.log" "$out/sweep.log" "$out/bench.log" 2>/dev/null
+cat "$out/gpu.txt"; tail -n 5 "$out/tests.log" "$out/sweep.log" "$out/suite.log" "$out/bench.log" 2>/dev/null

@@ -134,9 +134,54 @@ def qmax(bits: int) -> int:
     return (1 << bits) - 1
 
 
+# Explicit mantissa bits dropped when float32 is rounded to a narrower storage dtype.
+_DROPPED_MANTISSA_BITS = {"float16": 13, "bfloat16": 16}
+_F16_MIN_NORMAL = 2.0**-14
+_F16_MAX = 65504.0
+
+
+def round_to_dtype(v: jax.Array, dtype: jnp.dtype) -> jax.Array:  # f32 -> f32
+    """``v.astype(dtype).astype(float32)`` (round to nearest even, float16 subnormals and
+    overflow to inf included), written so that no compiler can drop the rounding.
+
+    XLA on GPU removes ``convert(convert(x, f16), f32)`` pairs by default
+    (``xla_allow_excess_precision``), so under jit the plain round trip returned the
+    unrounded value there: codes were chosen on a scale that was then stored rounded, and the
+    simulated and the stored cache disagreed. Integer ops on the bits are kept by every
+    compiler (an add/subtract of a magic constant is not: XLA on CPU folded it), and lower in
+    the Triton and Mosaic kernels too.
+    """
+    dtype = jnp.dtype(dtype)
+    v = v.astype(jnp.float32)
+    if dtype == jnp.float32:
+        return v
+    drop = _DROPPED_MANTISSA_BITS[dtype.name]
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    lsb = jax.lax.shift_right_logical(bits, jnp.int32(drop)) & 1
+    # Round half to even on the dropped bits; a carry into the exponent is the right result
+    # (up to inf for the largest float32 values at bfloat16).
+    rounded = (bits + ((1 << (drop - 1)) - 1) + lsb) & jnp.int32(~((1 << drop) - 1))
+    r = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    if dtype == jnp.float16:
+        # Below the smallest normal float16 the grid is multiples of 2**-24: round the
+        # float32 significand (implicit bit included) shifted to that unit, half to even.
+        exp = (jax.lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF) - 127
+        mant = (bits & 0x7FFFFF) | 0x800000
+        shift = jnp.clip(-(exp + 1), 1, 26)  # 26: everything rounds to 0
+        half_lsb = jax.lax.shift_right_logical(mant, shift) & 1
+        units = jax.lax.shift_right_logical(
+            mant + jax.lax.shift_left(jnp.int32(1), shift - 1) - 1 + half_lsb, shift
+        )
+        sub = units.astype(jnp.float32) * jnp.float32(2.0**-24)
+        sub = jnp.where(bits < 0, -sub, sub)
+        r = jnp.where(jnp.abs(v) < _F16_MIN_NORMAL, sub, r)
+        r = jnp.where(jnp.abs(r) > _F16_MAX, jnp.where(bits < 0, -jnp.inf, jnp.inf), r)
+    return jnp.where(v == v, r, v)  # NaN stays NaN
+
+
 def _to_meta(v: jax.Array, meta_dtype: jnp.dtype) -> jax.Array:
     """Round a float32 statistic to the storage dtype and back (what dequantization will see)."""
-    return v.astype(meta_dtype).astype(jnp.float32)
+    return round_to_dtype(v, meta_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pallas_kernels import quant_math as qm
 Backend = Literal["gpu", "tpu"]
 _DEFAULT_BLOCK_TOKENS = {"gpu": 16, "tpu": 16}
 # At most this many tokens per call, `quantize_pack` on GPU hardware takes the XLA path (the
-# per-token flush at decode); measured at 1 and 8 tokens (see `quantize_pack`).
+# per-token flush at decode): measured crossover between 8 and 64 tokens (see `quantize_pack`).
 GPU_XLA_MAX_TOKENS = 8
 
 
@@ -152,12 +152,11 @@ def quantize_pack(
     """Quantize+pack; same arguments and results as :func:`ref_quantize_pack`.
 
     Runs :func:`quantize_pack_kernel`, except for few tokens on GPU hardware (the decode-step
-    flush, ``N <= GPU_XLA_MAX_TOKENS``), where the XLA-fused reference is used: measured on an
-    H200 (results/bench_decode_h200_run4.json, again in runs 9-13), one token x 8 KV heads x 128
-    took ~0.70 ms per call in the kernel and ~0.04 ms through XLA. That kernel used the rank-count
-    quantile, which the sm_90 build spills to local memory (17 KB per thread); the radix select
-    that replaced it builds without spills but has not been timed on a GPU yet, so the routing
-    stays. Both compute the same exact quantile.
+    flush, ``N <= GPU_XLA_MAX_TOKENS``), where the XLA-fused reference is used. Measured on an
+    H200 (results/bench_decode_h200_run14.md, 8 KV heads x 128, radix-select kernel): 1 token
+    53 us in the kernel vs 39 us through XLA, 8 tokens 47 vs 45 us, 64 tokens 46 vs 59 us
+    (2 bits; 55 vs 48 us at 4 bits), 1024 tokens 0.094 vs 0.102 ms, 8192 tokens 0.43 vs 0.44
+    ms. Both compute the same exact quantile.
 
     Args and returns: as in :func:`quantize_pack_kernel`.
     """

@@ -243,6 +243,49 @@ def test_radix_quantile_on_signed_zero_denormal_and_infinite_values(kappa):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_round_to_dtype_equals_the_cast_bit_for_bit(dtype):
+    """The elision-proof rounding of scale/zero (XLA on GPU drops f32->f16->f32 round trips)
+    equals numpy's cast on normals, float16 subnormals, exact ties, overflow and specials,
+    jitted and eager."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(11)
+    wide = rng.standard_normal(50_000) * 10.0 ** rng.uniform(-12, 6, 50_000)
+    odd = rng.integers(1, 2**11, 2000) * 2 + 1  # halfway between two float16 values
+    ties = odd * 2.0**-12 * 2.0 ** rng.integers(-30, 10, 2000)
+    specials = [
+        0.0,
+        -0.0,
+        np.inf,
+        -np.inf,
+        np.nan,
+        65504,
+        65519.9,
+        65520,
+        -65520,
+        6e-8,
+        2.98e-8,
+        2.99e-8,
+        6.0e-5,
+        6.1035e-5,
+        3.4e38,
+        -3.4e38,
+        1e-40,
+        -1e-40,
+    ]
+    x = np.concatenate([wide, ties, -ties, specials]).astype(np.float32)
+    np_dtype = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+    want = x.astype(np_dtype[dtype]).astype(np.float32)
+    for fn in (
+        jax.jit(lambda v: qm.round_to_dtype(v, dtype)),
+        lambda v: qm.round_to_dtype(v, dtype),
+    ):
+        got = np.asarray(fn(jnp.asarray(x)))
+        same = (got.view(np.int32) == want.view(np.int32)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), f"{dtype}: {x[~same][:4]} -> {got[~same][:4]}, want {want[~same][:4]}"
+
+
 # ---- quest alpha_b ---------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_quest_alpha_rederived_numerically(bits):

@@ -272,7 +272,11 @@ class TestDecodeAttention:
             )
             for s in (1, 5)
         ]
-        np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), atol=1e-4)
+        # Each split rounds its probabilities to the code-dot dtype against its own running
+        # max, so splits move the result by a few of those roundings. 1e-4 held on CPU; the
+        # TPU body interpreted by XLA on a GPU measured 1.5e-4 (XLA there keeps f32 where the
+        # body rounds to bfloat16 and back: xla_allow_excess_precision).
+        np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), atol=3e-4)
 
     @pytest.mark.parametrize("bits", [2, 4])
     @pytest.mark.parametrize(
