@@ -226,16 +226,19 @@ class PagedKVCache:
             o = tf.outputs_from_value_frame(layer, o_t)
 
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
-        # bits (long prefill chunks), are quantized into low-bit pages.
+        # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
+        # flushes this step) and single-token decode: nothing reaches the low-bit pools.
         fk = _gather_tokens(pools.k_fp, plan.flush_src)  # [B, F, K, d]
         fv = _gather_tokens(pools.v_fp, plan.flush_src)
-        if cfg.attention == "pallas" and cfg.quant is not None:
+        if plan.flush_src.shape[1] == 0 and t == 1:
+            k_low, v_low = pools.k_low, pools.v_low
+        elif cfg.attention == "pallas" and cfg.quant is not None:
             # The fused quantize+pack kernel: flushed tokens are already in the stored frame
             # (identity transform); new tokens going straight to low bits are transformed by
             # the kernel itself. Single-token decode never sends new tokens to low bits.
             eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tf.a_k[layer].shape)
             k_low, v_low = pools.k_low, pools.v_low
-            sets = [(plan.flush_dst, fk, fv, eye, eye)]
+            sets = [(plan.flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
             if t > 1:
                 sets.append((plan.new_low_dst, k, v, tf.a_k[layer], tf.a_v[layer]))
             for dst, xk, xv, ak, av in sets:
@@ -516,7 +519,14 @@ class PageManager:
 
         m_fp = cfg.fp_pages_per_seq()
         m_q = max(1, cfg.lowbit_pages_per_seq())
-        f_max = min(cfg.keep + cfg.flush, t + cfg.flush)
+        # Flush slots: none in a step where no sequence flushes (15 of 16 decode steps at the
+        # default windows), so such steps skip the gather and the quantize+pack of dropped
+        # tokens; otherwise a fixed bound. Two shapes per chunk length: two compiles at most.
+        flushes = any(
+            min(cfg.quant_end(s.length + n), s.length) > cfg.quant_end(s.length)
+            for s, n in zip(self.seqs, counts)
+        )
+        f_max = min(cfg.keep + cfg.flush, t + cfg.flush) if flushes else 0
         drop_fp = self.num_fp_pages * p
         drop_low = self.num_low_pages * p
         arrs = dict(

@@ -109,6 +109,24 @@ def test_segment_boundaries_and_page_accounting(chunks):
         assert len(s.low_pages) + len(mgr.free_low) == mgr.num_low_pages
 
 
+def test_decode_steps_without_a_flush_plan_no_flush_slots():
+    """A decode step where no sequence flushes carries zero flush slots (so the device skips
+    the gather and the quantize+pack of dropped tokens); a flushing step carries the fixed
+    bound, and it moves exactly ``flush`` tokens per flushing sequence."""
+    cc = dataclasses.replace(SMALL, max_seq_len=200)
+    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 2)
+    mgr = PageManager(cache)
+    mgr.prepare(cache, [20, 23])  # prompt chunk
+    widths, moved = [], []
+    for _ in range(20):
+        plan = mgr.prepare(cache, 1).plan
+        widths.append(plan.flush_src.shape[1])
+        moved.append(int((np.asarray(plan.flush_dst) < mgr.num_low_pages * cc.page_size).sum()))
+    assert set(widths) == {0, 1 + cc.flush}, widths
+    assert all(m == 0 for w, m in zip(widths, moved) if w == 0)
+    assert all(m % cc.flush == 0 and m > 0 for w, m in zip(widths, moved) if w)
+
+
 def test_identity_quantizer_equals_full_precision(model, step):
     """quant=None (identity quantizer), random orthogonal transforms: exactly the dense model."""
     tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 60))
