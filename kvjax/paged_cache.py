@@ -17,7 +17,9 @@ Two objects split the work:
 - `PageManager` is the host-side allocator: free lists and per-sequence page lists. Before
   each model call `prepare(cache, num_new)` plans where every new token goes and which recent
   pages flush into low-bit pages, raising `PagePoolExhausted` *before* changing anything when a
-  pool is too small, so stored sequences are never touched by a failed step.
+  pool is too small, so stored sequences are never touched by a failed step. Plans have fixed
+  shapes per chunk length, with one exception: a step in which no sequence flushes carries
+  zero flush slots (most decode steps), so a jitted step compiles at most twice per length.
 
 Within one call, the new tokens' queries attend to everything stored before the call plus the new
 tokens themselves in full precision (causally); the flush into low-bit pages happens after. This
