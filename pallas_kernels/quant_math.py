@@ -179,11 +179,6 @@ def round_to_dtype(v: jax.Array, dtype: jnp.dtype) -> jax.Array:  # f32 -> f32
     return jnp.where(v == v, r, v)  # NaN stays NaN
 
 
-def _to_meta(v: jax.Array, meta_dtype: jnp.dtype) -> jax.Array:
-    """Round a float32 statistic to the storage dtype and back (what dequantization will see)."""
-    return round_to_dtype(v, meta_dtype)
-
-
 # ---------------------------------------------------------------------------------------------
 # Quantile of |x| over the group
 # ---------------------------------------------------------------------------------------------
@@ -309,11 +304,11 @@ def affine_scale_zero(
     q = jnp.float32(qmax(bits))
     mag = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
     scale = jnp.maximum((hi - lo) / q, mag / jnp.float32(_ZERO_BOUND))
-    scale_m = _to_meta(scale, meta_dtype)
+    scale_m = round_to_dtype(scale, meta_dtype)
     degenerate = (hi <= lo) | (scale_m <= 0.0)
     scale_m = jnp.where(degenerate, jnp.float32(1.0), scale_m)
     zero = jnp.where(degenerate, -lo, -lo / scale_m)
-    return scale_m, _to_meta(zero, meta_dtype)
+    return scale_m, round_to_dtype(zero, meta_dtype)
 
 
 def affine_codes(
@@ -410,7 +405,7 @@ def quest_quantize(
     half = 1 << (bits - 1)
     g = x.shape[-1]
     rms = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) / jnp.float32(g))
-    delta = _to_meta(2.0 * alpha * rms / jnp.float32(2**bits - 1), jnp.dtype(meta_dtype))
+    delta = round_to_dtype(2.0 * alpha * rms / jnp.float32(2**bits - 1), jnp.dtype(meta_dtype))
     safe = jnp.where(delta > 0.0, delta, jnp.float32(1.0))
     k = jnp.clip(jnp.floor(x / safe), -half, half - 1) + half
     zero = jnp.full_like(delta, half - 0.5)
