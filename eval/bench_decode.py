@@ -601,36 +601,45 @@ def markdown_table(result: dict) -> str:
         a = "-" if s["vs_best_jax_bf16"] is None else f"{s['vs_best_jax_bf16']:.2f}"
         b = "-" if s["vs_torch_sdpa"] is None else f"{s['vs_torch_sdpa']:.2f}"
         lines.append(f"| {s['batch']} | {s['context']} | {s['variant']} | {a} | {b} |")
-    if result.get("quantize_pack"):
-        lines += [
-            "",
+
+    def step_cell(q, tag):
+        a, c = q.get(f"{tag}_per_step_ms"), q.get(f"{tag}_per_call_ms")
+        return "-" if a is None else f"{a:.3f} ({c * 1e3:.1f} us)"
+
+    def call_cell(q, tag):
+        c = q.get(f"{tag}_per_call_ms")
+        return "-" if c is None else f"{c:.3f}"
+
+    cfg = result["config"]
+    tables = [
+        (
+            "quantize_pack",
+            "batch",
+            step_cell,
             "quantize_pack per decode step (one token per sequence, K and V, "
-            f"{result['config']['layers']} layers; per call in brackets), ms:",
-            "",
-            "| batch | kernel int2 | kernel int4 | XLA ref int2 | XLA ref int4 |",
-            "|---:|---:|---:|---:|---:|",
-        ]
-        for q in result["quantize_pack"]:
-            cells = []
-            for tag in ("kernel_int2", "kernel_int4", "xla_ref_int2", "xla_ref_int4"):
-                a, c = q.get(f"{tag}_per_step_ms"), q.get(f"{tag}_per_call_ms")
-                cells.append("-" if a is None else f"{a:.3f} ({c * 1e3:.1f} us)")
-            lines.append(f"| {q['batch']} | " + " | ".join(cells) + " |")
-    if result.get("quantize_pack_prefill"):
+            f"{cfg['layers']} layers; per call in brackets), ms:",
+        ),
+        (
+            "quantize_pack_prefill",
+            "tokens",
+            call_cell,
+            f"quantize_pack per prefill call (tokens x {cfg['kv_heads']} KV heads, "
+            "one layer's K or V), ms:",
+        ),
+    ]
+    for key, first, cell, title in tables:
+        if not result.get(key):
+            continue
         lines += [
             "",
-            f"quantize_pack per prefill call (tokens x {result['config']['kv_heads']} KV heads, "
-            "one layer's K or V), ms:",
+            title,
             "",
-            "| tokens | kernel int2 | kernel int4 | XLA ref int2 | XLA ref int4 |",
+            f"| {first} | kernel int2 | kernel int4 | XLA ref int2 | XLA ref int4 |",
             "|---:|---:|---:|---:|---:|",
         ]
-        for q in result["quantize_pack_prefill"]:
-            cells = []
-            for tag in ("kernel_int2", "kernel_int4", "xla_ref_int2", "xla_ref_int4"):
-                c = q.get(f"{tag}_per_call_ms")
-                cells.append("-" if c is None else f"{c:.3f}")
-            lines.append(f"| {q['tokens']} | " + " | ".join(cells) + " |")
+        for q in result[key]:
+            tags = ("kernel_int2", "kernel_int4", "xla_ref_int2", "xla_ref_int4")
+            lines.append(f"| {q[first]} | " + " | ".join(cell(q, t) for t in tags) + " |")
     return "\n".join(lines) + "\n"
 
 
