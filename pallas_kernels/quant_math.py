@@ -155,6 +155,8 @@ def round_to_dtype(v: jax.Array, dtype: jnp.dtype) -> jax.Array:  # f32 -> f32
     v = v.astype(jnp.float32)
     if dtype == jnp.float32:
         return v
+    if dtype.name not in _DROPPED_MANTISSA_BITS:
+        raise ValueError(f"round_to_dtype: dtype={dtype.name!r}; use float16, bfloat16 or float32")
     drop = _DROPPED_MANTISSA_BITS[dtype.name]
     bits = jax.lax.bitcast_convert_type(v, jnp.int32)
     lsb = jax.lax.shift_right_logical(bits, jnp.int32(drop)) & 1

@@ -286,6 +286,11 @@ def test_round_to_dtype_equals_the_cast_bit_for_bit(dtype):
         assert same.all(), f"{dtype}: {x[~same][:4]} -> {got[~same][:4]}, want {want[~same][:4]}"
 
 
+def test_round_to_dtype_names_an_unsupported_dtype():
+    with pytest.raises(ValueError, match="int8"):
+        qm.round_to_dtype(jnp.ones(3), jnp.int8)
+
+
 # ---- quest alpha_b ---------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_quest_alpha_rederived_numerically(bits):
