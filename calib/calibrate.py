@@ -39,12 +39,13 @@ from calib import errors
 from calib.data import split_holdout, token_windows
 from calib.statistics import finalize_stats, init_stats, required_stats, update_stats
 from calib.transforms import _HADAMARD_METHODS, METHODS, TransformPair, build_transforms
-from kvjax import assets, sharding
-from kvjax.loading import LoadedModel, load_model
-from kvjax.model import capture_observed
-from kvjax.quantizers import QuantConfig
+from kvjax import assets
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.cache.transforms import KVTransforms
+from kvjax.models.loading import LoadedModel, load_model
+from kvjax.models.model import capture_observed
+from kvjax.serving import sharding
 from kvjax.storage import KVJAX_VERSION, save_transforms
-from kvjax.transforms import KVTransforms
 
 BASELINES = ("identity", "hadamard")  # always scored in the closing table
 HOLDOUT_TOKENS = 512

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from calib import errors
-from kvjax.quantizers import QuantConfig
+from kvjax.cache.quantizers import QuantConfig
 
 CLIP_GRID = (0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
 PAPER_CLIPS = (0.96, 0.92)  # OSCAR's defaults (kappa_K, kappa_V)

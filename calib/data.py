@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.tokenizer import Tokenizer
+from kvjax.models.tokenizer import Tokenizer
 
 
 def token_windows(

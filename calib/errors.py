@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.quantizers import QuantConfig, fake_quantize
+from kvjax.cache.quantizers import QuantConfig, fake_quantize
 
 
 def roundtrip(

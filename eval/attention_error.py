@@ -31,8 +31,8 @@ import numpy as np
 from calib import errors
 from calib.calibrate import capture_activations
 from eval import common
-from kvjax.loading import LoadedModel, load_model
-from kvjax.quantizers import QuantConfig
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.models.loading import LoadedModel, load_model
 
 METRICS = ("logit_rel_err", "softmax_rel_err", "output_rel_err", "kl")
 

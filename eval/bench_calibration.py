@@ -28,7 +28,7 @@ from calib.calibrate import make_stats_step
 from calib.data import token_windows
 from calib.statistics import init_stats, required_stats
 from kvjax import assets
-from kvjax.loading import load_model
+from kvjax.models.loading import load_model
 
 
 @dataclasses.dataclass(frozen=True)

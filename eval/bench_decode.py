@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import decode_attention as da
 from pallas_kernels import layout
+from pallas_kernels.decode_attention import api as da_api
 
 DEFAULT_POINTS = ((1, 4096), (1, 65536), (1, 131072), (8, 16384), (8, 131072), (32, 16384))
 
@@ -267,7 +268,7 @@ def lowbit_variant(cfg: BenchConfig, batch: int, ctx: int, name: str) -> tuple[i
     factor = opts.pop("splits_factor", None)
     kw.update(opts)
     if factor is not None:
-        ppb = kw["pages_per_block"] or da._backend_module(cfg.backend).DEFAULT_PAGES_PER_BLOCK
+        ppb = kw["pages_per_block"] or da_api._backend_module(cfg.backend).DEFAULT_PAGES_PER_BLOCK
         kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, ppb)))
     return bits, kw, override
 

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.cache.paged import CacheConfig
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
-from kvjax.engine import Engine
-from kvjax.model import Transformer
-from kvjax.paged_cache import CacheConfig
-from kvjax.quantizers import QuantConfig
-from kvjax.transforms import KVTransforms
+from kvjax.models.model import Transformer
+from kvjax.serving.engine import Engine
 
 
 @dataclasses.dataclass(frozen=True)

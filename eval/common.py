@@ -9,7 +9,7 @@ version of key/value `s` (full precision or its low-bit reconstruction) query `t
 by the cache policy alone: `s` is read from low-bit pages iff `sink <= s < quant_end(c(t))`,
 where `c(t)` is the number of tokens stored before the chunk holding `t`. One forward with that
 mixed mask computes the same numbers as the chunked paged run (tests check it against
-`kvjax.paged_cache` end to end), so `eval.perplexity` can afford the full grid.
+`kvjax.cache.paged` end to end), so `eval.perplexity` can afford the full grid.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ import numpy as np
 from flax import nnx
 
 from kvjax import assets
-from kvjax.attention import split_heads_by_group
+from kvjax.cache.allocator import PageManager
+from kvjax.cache.attention import split_heads_by_group
+from kvjax.cache.paged import CacheConfig, PagedKVCache
+from kvjax.cache.quantizers import QuantConfig, dequantize, quantize
+from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
-from kvjax.loading import LoadedModel
-from kvjax.paged_cache import CacheConfig, PagedKVCache, PageManager
-from kvjax.quantizers import QuantConfig, dequantize, quantize
+from kvjax.models.loading import LoadedModel
+from kvjax.models.tokenizer import Tokenizer
 from kvjax.storage import load_transforms
-from kvjax.tokenizer import Tokenizer
-from kvjax.transforms import KVTransforms
 
 FULL_PRECISION = "full_precision"  # the row name of the unquantized baseline
 ALL_METHODS: tuple[str, ...] = (

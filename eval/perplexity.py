@@ -13,7 +13,7 @@ defaults 64/256/16 at 2 bits.
 Engines: `simulated` (default) runs each window in one forward whose attention mask reproduces
 exactly what the chunked paged cache reads (`eval.common.WindowedQuantCache`, checked against the
 real cache in the tests and, with --crosscheck-tokens, on the real model); `paged` feeds the
-chunks through `kvjax.paged_cache` itself (about ten times slower on CPU).
+chunks through `kvjax.cache.paged` itself (about ten times slower on CPU).
 
 Writes <out>/perplexity.json (one row per setting: transform, quantizer, bits, windows, metric,
 value), <out>/perplexity.md, and <out>/perplexity.png (perplexity vs bits per transform).
@@ -32,10 +32,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from eval import common
-from kvjax.loading import LoadedModel, load_model
-from kvjax.paged_cache import CacheConfig
-from kvjax.quantizers import QuantConfig
-from kvjax.transforms import KVTransforms
+from kvjax.cache.paged import CacheConfig
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.cache.transforms import KVTransforms
+from kvjax.models.loading import LoadedModel, load_model
 
 Windows = tuple[int, int, int]  # sink, keep, flush
 

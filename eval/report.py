@@ -22,11 +22,11 @@ import time
 from collections.abc import Sequence
 
 from eval import attention_error, common, perplexity, retrieval
+from kvjax.cache.paged import CacheConfig, PagedKVCache
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
-from kvjax.loading import load_model
-from kvjax.paged_cache import CacheConfig, PagedKVCache
-from kvjax.quantizers import QuantConfig
-from kvjax.transforms import KVTransforms
+from kvjax.models.loading import load_model
 from pallas_kernels.layout import PageLayout
 
 QUICK_METHODS = ("identity", "hadamard", "oscar", "wush")

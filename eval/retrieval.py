@@ -31,9 +31,9 @@ import numpy as np
 
 from eval import common
 from kvjax import assets
-from kvjax.loading import LoadedModel, load_model
-from kvjax.paged_cache import CacheConfig
-from kvjax.quantizers import QuantConfig
+from kvjax.cache.paged import CacheConfig
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.models.loading import LoadedModel, load_model
 
 INTRO = (
     "There is a pass key hidden inside the following text. Find it and remember it; "

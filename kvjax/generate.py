@@ -12,12 +12,12 @@ import argparse
 import dataclasses
 import sys
 
-from kvjax.engine import Engine
-from kvjax.loading import load_model
-from kvjax.paged_cache import CacheConfig
-from kvjax.quantizers import QuantConfig
+from kvjax.cache.paged import CacheConfig
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.cache.transforms import fold_value_transforms
+from kvjax.models.loading import load_model
+from kvjax.serving.engine import Engine
 from kvjax.storage import load_transforms
-from kvjax.transforms import fold_value_transforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def main(cfg: GenerateConfig) -> str:
             tf, meta = load_transforms(cfg.transforms, lm.cfg, lm.fingerprint)
             method = meta.get("method", "?")
         else:
-            from kvjax.transforms import KVTransforms
+            from kvjax.cache.transforms import KVTransforms
 
             tf, method = KVTransforms.identity(lm.cfg), "identity"
         if cfg.fold_values:

@@ -24,8 +24,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
-from kvjax.transforms import KVTransforms
 
 FORMAT_VERSION = 1
 KVJAX_VERSION = "0.1.0"

@@ -79,7 +79,7 @@ def _dump_quantize_pack(variant: str, out_dir: str) -> tuple[str, dict]:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gpu import quantize_pack as gqp
+    from pallas_kernels.quantize_pack import gpu_triton as gqp
 
     default = gqp.QUANTILE
     gqp.QUANTILE = variant.rsplit("_", 1)[1]
@@ -111,6 +111,7 @@ def dump_ttir(variant: str, out_dir: str) -> tuple[str, dict]:
     from eval import bench_decode as bd
     from notes import decode_kernel_once as once
     from pallas_kernels import decode_attention as da
+    from pallas_kernels.decode_attention import api as da_api
 
     _, opts, _ = bd.LOWBIT_VARIANTS[variant]
     real = da.decode_attention_variant
@@ -131,7 +132,7 @@ def dump_ttir(variant: str, out_dir: str) -> tuple[str, dict]:
     path = os.path.join(out_dir, f"{variant}.ttir")
     with open(path, "w") as f:
         f.write(kernels[0])
-    gpu = da._backend_module("gpu")
+    gpu = da_api._backend_module("gpu")
     launch = dict(
         warps=opts.get("num_warps") or gpu.DEFAULT_NUM_WARPS,
         stages=opts.get("num_stages") or gpu.DEFAULT_NUM_STAGES,

@@ -9,9 +9,9 @@ from calib.statistics import finalize_stats
 from eval import common
 from eval import perplexity as P
 from kvjax import assets
-from kvjax.loading import load_model
-from kvjax.paged_cache import CacheConfig
-from kvjax.quantizers import QuantConfig
+from kvjax.cache.paged import CacheConfig
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.models.loading import load_model
 
 lm = load_model()
 

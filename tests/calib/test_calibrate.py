@@ -10,8 +10,8 @@ import pytest
 
 from calib import calibrate as cal
 from kvjax import assets
+from kvjax.models.tokenizer import Tokenizer
 from kvjax.storage import TransformsCheckpointError, load_transforms, read_metadata
-from kvjax.tokenizer import Tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ SCRIPT = textwrap.dedent(
     from calib.calibrate import collect_statistics
     from calib.statistics import required_stats
     from kvjax.config import ModelConfig
-    from kvjax.loading import LoadedModel
-    from kvjax.model import Transformer
+    from kvjax.models.loading import LoadedModel
+    from kvjax.models.model import Transformer
 
     assert jax.device_count() == 4, jax.devices()
     cfg = ModelConfig(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=96,

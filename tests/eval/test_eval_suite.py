@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 
 from eval import attention_error, common, perplexity, retrieval
+from kvjax.cache.paged import CacheConfig
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
-from kvjax.loading import LoadedModel
-from kvjax.model import Transformer
-from kvjax.paged_cache import CacheConfig
-from kvjax.quantizers import QuantConfig
+from kvjax.models.loading import LoadedModel
+from kvjax.models.model import Transformer
 from kvjax.storage import save_transforms
-from kvjax.transforms import KVTransforms
 
 CFG = ModelConfig(
     model_type="llama",

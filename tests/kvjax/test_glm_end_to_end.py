@@ -17,8 +17,8 @@ from kvjax.calibrate import parse_args as calibrate_args
 from kvjax.config import ModelConfig
 from kvjax.generate import main as generate_main
 from kvjax.generate import parse_args as generate_args
+from kvjax.models.tokenizer import Tokenizer
 from kvjax.storage import read_metadata
-from kvjax.tokenizer import Tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -18,6 +18,8 @@ import pytest
 
 from pallas_kernels import decode_attention as da
 from pallas_kernels import layout
+from pallas_kernels.decode_attention import api as da_api
+from pallas_kernels.decode_attention import tiles as da_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +297,7 @@ class TestDecodeAttention:
     def test_inner_loop_variants_match_reference(
         self, gather: str, int_to_float: str, row_sums: str, bits
     ):
-        mod = da._backend_module(self.BACKEND)
+        mod = da_api._backend_module(self.BACKEND)
         if (
             gather not in mod.GATHER_MODES
             or int_to_float not in mod.INT_TO_FLOAT
@@ -401,7 +403,7 @@ def test_quantized_attention_error_budget(bits: int):
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("int_to_float", ["convert", "exponent", "asm"])
 def test_unpack_planes_are_channel_order(bits: int, int_to_float: str):
-    from pallas_kernels.gpu import decode_attention as gpu_da
+    from pallas_kernels.decode_attention import gpu_triton as gpu_da
 
     d, t = 128, 32
     rng = np.random.default_rng(bits)
@@ -436,7 +438,7 @@ def _emulate_asm_planes(packed: np.ndarray, asm: str) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_plane_asm_model_recovers_every_code(bits: int):
-    from pallas_kernels.gpu import decode_attention as gpu_da
+    from pallas_kernels.decode_attention import gpu_triton as gpu_da
 
     packed = np.arange(256, dtype=np.uint8)
     for i, want in enumerate(layout.unpack_planes(jnp.asarray(packed), bits)):
@@ -446,10 +448,10 @@ def test_plane_asm_model_recovers_every_code(bits: int):
 
 def test_exponent_trick_is_exact_for_every_code():
     codes = jnp.arange(1024, dtype=jnp.int32)
-    got = da.codes_to_f16(codes, "exponent")
+    got = da_tiles.codes_to_f16(codes, "exponent")
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.arange(1024, dtype=np.float32))
     with pytest.raises(ValueError, match="int_to_float"):
-        da.codes_to_f16(codes, "lut")
+        da_tiles.codes_to_f16(codes, "lut")
 
 
 def test_validation_names_bad_shapes():
@@ -485,7 +487,7 @@ def test_gpu_merge_kernel_matches_xla_merge(splits: int, with_inverse: bool):
     """The GPU merge kernel (split axis padded to a power of two through masked loads) equals
     the XLA log-sum-exp merge followed by the value inverse, including an empty split and a
     row with no key at all."""
-    from pallas_kernels.gpu import decode_attention as gpu_da
+    from pallas_kernels.decode_attention import gpu_triton as gpu_da
 
     b, hkv, r, d = 2, 2, 4, 64
     ks = jax.random.split(jax.random.key(3), 4)
@@ -500,7 +502,7 @@ def test_gpu_merge_kernel_matches_xla_merge(splits: int, with_inverse: bool):
     acc = acc.at[1, 1, :, 2].set(0.0)
     vi = jax.random.normal(ks[3], (hkv, d, d)) if with_inverse else None
     got = gpu_da.merge_splits(acc, m, l, vi, interpret=True)
-    want = da._merge_partials(acc, m, l)
+    want = da_api._merge_partials(acc, m, l)
     if vi is not None:
         want = jnp.einsum("bkrd,kde->bkre", want, vi, precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

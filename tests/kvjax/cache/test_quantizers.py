@@ -1,4 +1,4 @@
-"""Tests for kvjax.quantizers and the shared per-group math in pallas_kernels.quant_math."""
+"""Tests for kvjax.cache.quantizers and the shared per-group math in pallas_kernels.quant_math."""
 
 import math
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax.quantizers import QuantConfig, QuantizedArray, dequantize, fake_quantize, quantize
+from kvjax.cache.quantizers import QuantConfig, QuantizedArray, dequantize, fake_quantize, quantize
 from pallas_kernels import layout
 from pallas_kernels import quant_math as qm
 

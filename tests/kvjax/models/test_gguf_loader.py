@@ -1,4 +1,4 @@
-"""Tests for kvjax.gguf_loader: synthetic GGUFs written with gguf.GGUFWriter, then the real
+"""Tests for kvjax.models.gguf_loader: synthetic GGUFs written with gguf.GGUFWriter, then the real
 SmolLM2 file checked against HuggingFace transformers."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from tokenizers import pre_tokenizers
 
-from kvjax import assets, gguf_loader
+from kvjax import assets
 from kvjax.config import ModelConfig, UnsupportedModelError
+from kvjax.models import gguf_loader
 
 TINY = ModelConfig(
     model_type="llama",

@@ -17,8 +17,8 @@ import numpy as np
 
 from kvjax import assets
 from kvjax.config import ModelConfig
-from kvjax.model import Transformer
-from kvjax.tokenizer import Tokenizer
+from kvjax.models.model import Transformer
+from kvjax.models.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -59,12 +59,12 @@ def load_model(
         path = assets.default_model_path()
     p = pathlib.Path(path).expanduser()
     if p.is_dir():
-        from kvjax.hf_loader import load_hf_checkpoint
+        from kvjax.models.hf_loader import load_hf_checkpoint
 
         cfg, weights = load_hf_checkpoint(p)
         tokenizer = Tokenizer.from_hf_dir(p)
     elif p.is_file() and p.suffix == ".gguf":
-        from kvjax.gguf_loader import load_gguf
+        from kvjax.models.gguf_loader import load_gguf
 
         cfg, weights, tokenizer = load_gguf(p)
     elif not p.exists():

@@ -14,7 +14,7 @@ bypassed); `add_bos=True` asks for the BOS token explicitly, so a caller always 
 the model sees.
 
 Example:
-    >>> from kvjax.tokenizer import Tokenizer
+    >>> from kvjax.models.tokenizer import Tokenizer
     >>> tok = Tokenizer.from_gguf(path)              # or Tokenizer.from_hf_dir("Qwen3-8B/")
     >>> ids = tok.encode("To be, or not to be", add_bos=True)
     >>> tok.decode(ids[1:])
@@ -164,7 +164,7 @@ class Tokenizer:
 
         Args:
             meta: GGUF metadata as plain Python values (strings, ints, lists), e.g. from
-                `kvjax.gguf_loader.read_metadata`.
+                `kvjax.models.gguf_loader.read_metadata`.
 
         Raises:
             UnsupportedModelError: a tokenizer model or pre-tokenizer this class cannot build.
@@ -232,7 +232,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Reads only the tokenizer of a GGUF file (the weights are not dequantized)."""
-        from kvjax.gguf_loader import read_metadata  # deferred: gguf_loader imports this module
+        from kvjax.models.gguf_loader import (
+            read_metadata,  # deferred: gguf_loader imports this module
+        )
 
         return cls.from_gguf_metadata(read_metadata(path))
 

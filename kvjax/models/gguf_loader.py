@@ -13,7 +13,8 @@ differs in three ways, each undone here:
    so the standard rotate-half RoPE applies to the loaded weights.
 
 Example:
-    >>> from kvjax import assets, gguf_loader
+    >>> from kvjax import assets
+from kvjax.models import gguf_loader
     >>> cfg, weights, tok = gguf_loader.load_gguf(assets.default_model_path())
     >>> weights["model.layers.0.self_attn.q_proj.weight"].shape   # [Hq * hd, D]
     (576, 576)
@@ -31,7 +32,7 @@ import numpy as np
 from gguf.quants import dequantize
 
 from kvjax.config import ModelConfig, UnsupportedModelError
-from kvjax.tokenizer import Tokenizer
+from kvjax.models.tokenizer import Tokenizer
 
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
 

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.hf_loader import load_hf_checkpoint
-from kvjax.kv_cache import DenseKVCache
-from kvjax.model import Transformer
+from kvjax.cache.dense import DenseKVCache
+from kvjax.models.hf_loader import load_hf_checkpoint
+from kvjax.models.model import Transformer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -112,7 +112,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 
 def test_missing_tensor_is_named(tmp_path):
-    from kvjax.model import MissingWeightsError
+    from kvjax.models.model import MissingWeightsError
 
     hf = make_hf_model(*CASES["llama_mha_hd64_bias"])
     hf.save_pretrained(tmp_path, safe_serialization=True)
@@ -123,7 +123,7 @@ def test_missing_tensor_is_named(tmp_path):
 
 
 def test_truncated_safetensors_is_a_clear_error(tmp_path):
-    from kvjax.hf_loader import CheckpointError
+    from kvjax.models.hf_loader import CheckpointError
 
     hf = make_hf_model(*CASES["qwen2_gqa4_hd64"])
     hf.save_pretrained(tmp_path, safe_serialization=True)

@@ -47,8 +47,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import decode_attention as da
 from pallas_kernels import layout
+from pallas_kernels.decode_attention import tiles as da
 
 # Triton's tensor-core dot needs M >= 16, so the query group is padded to at least 16 rows.
 MIN_GROUP_PAD = 16

@@ -3,10 +3,10 @@
 One module covers the family; the differences are options of `ModelConfig`: q/k RMSNorm per head
 (Qwen3, optional in GLM-4-MoE), q/k/v bias (Qwen2, GLM), partial and interleaved RoPE (GLM),
 GLM-4's extra norms on the attention and MLP outputs, and mixture-of-experts MLPs (`cfg.moe`,
-math in `kvjax.moe`) in the sparse layers. The attention layer is the seam the rest of kvjax
+math in `kvjax.models.moe`) in the sparse layers. The attention layer is the seam the rest of kvjax
 plugs into:
 
-- it takes a cache object (`kvjax.kv_cache.KVCache` protocol) and positions, and returns the
+- it takes a cache object (`kvjax.cache.dense.KVCache` protocol) and positions, and returns the
   updated cache; with no cache it runs plain causal attention over the chunk;
 - an opt-in observer (`Transformer.set_observer`) sees post-norm, post-RoPE q, k, v and the
   per-head attention output before o_proj; what it returns is sown as an `nnx.Intermediate`
@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.attention import causal_mask, grouped_attention
+from kvjax.cache.attention import causal_mask, grouped_attention
 from kvjax.config import ModelConfig
-from kvjax.moe import MOE_IMPLS, route, routed_experts
+from kvjax.models.moe import MOE_IMPLS, route, routed_experts
 
 # observer(layer_idx, q, k, v, o) -> pytree. q: [B,T,Hq,d], k/v: [B,T,Hkv,d], o: [B,T,Hq,d].
 Observer = Callable[[int, jax.Array, jax.Array, jax.Array, jax.Array], Any]
@@ -168,7 +168,7 @@ class MLP(nnx.Module):
 
 
 class Router(nnx.Module):
-    """Expert router (HF `mlp.gate`): logits = x W^T, then `kvjax.moe.route`."""
+    """Expert router (HF `mlp.gate`): logits = x W^T, then `kvjax.models.moe.route`."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype):
         moe = cfg.moe
@@ -313,10 +313,10 @@ class Transformer(nnx.Module):
             layer.self_attn.observer = observer
 
     def set_moe_impl(self, impl: str) -> None:
-        """Chooses how every MoE layer computes its routed mixture (see `kvjax.moe`).
+        """Chooses how every MoE layer computes its routed mixture (see `kvjax.models.moe`).
 
         Raises:
-            ValueError: `impl` is not one of `kvjax.moe.MOE_IMPLS`.
+            ValueError: `impl` is not one of `kvjax.models.moe.MOE_IMPLS`.
         """
         if impl not in MOE_IMPLS:
             raise ValueError(f"impl={impl!r}; use one of {MOE_IMPLS}")
@@ -341,7 +341,7 @@ class Transformer(nnx.Module):
             weights: tensors by HF name; extra tensors (e.g. GLM's next-token-prediction
                 layers) are ignored. Per-expert and stacked expert layouts are both accepted.
             dtype: parameter and activation dtype (the sigmoid router stays float32).
-            moe_impl: routed-mixture implementation for MoE layers (`kvjax.moe.MOE_IMPLS`).
+            moe_impl: routed-mixture implementation for MoE layers (`kvjax.models.moe.MOE_IMPLS`).
 
         Raises:
             MissingWeightsError: listing every tensor the architecture needs but did not get.

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import decode_attention as da
+from pallas_kernels.decode_attention import tiles as da
 
 # A query group is padded to whole sublanes (8 rows of f32).
 MIN_GROUP_PAD = 8

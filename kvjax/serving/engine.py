@@ -3,7 +3,7 @@
 `Engine` owns the jitted step (`nnx.merge` inside `jax.jit`, the cache donated) and, for the
 paged cache, the host `PageManager` that plans each step. Library use:
 
-    lm = kvjax.loading.load_model()                 # shipped SmolLM2
+    lm = kvjax.load_model()                 # shipped SmolLM2
     eng = Engine(lm.model, cache_kind="paged", transforms=tf, cache_cfg=CacheConfig(...))
     out = eng.generate([lm.tokenizer.encode("The capital of France is")], max_new_tokens=8)
 """
@@ -20,35 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.kv_cache import DenseKVCache
-from kvjax.model import Transformer
-from kvjax.paged_cache import CacheConfig, PagedKVCache, PageManager
-from kvjax.transforms import KVTransforms
-
-
-def sample_next(
-    logits: jax.Array,  # f32[B, V]
-    key: jax.Array,
-    temperature: float,
-    top_p: float,
-) -> jax.Array:  # i32[B]
-    """Greedy when temperature == 0, else temperature sampling restricted to the top-p mass."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-        keep = (
-            jnp.zeros_like(keep_sorted)
-            .at[jnp.arange(logits.shape[0])[:, None], order]
-            .set(keep_sorted)
-        )
-        logits = jnp.where(keep, logits, -jnp.inf)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+from kvjax.cache.allocator import PageManager
+from kvjax.cache.dense import DenseKVCache
+from kvjax.cache.paged import CacheConfig, PagedKVCache
+from kvjax.cache.transforms import KVTransforms
+from kvjax.models.model import Transformer
+from kvjax.serving.sampling import sample_next
 
 
 @dataclasses.dataclass

@@ -243,12 +243,12 @@ def quantize_pack_kernel(
     kw = dict(method=method, bits=bits, group_size=g, meta_dtype=meta, block_tokens=t)
     a32 = a.astype(jnp.float32)
     if backend == "gpu":
-        from pallas_kernels.gpu.quantize_pack import quantize_pack_gpu
+        from pallas_kernels.quantize_pack.gpu_triton import quantize_pack_gpu
 
         cg = None if c is None else c[:, None]
         out = quantize_pack_gpu(xh, a32, cg, num_warps=num_warps, interpret=interpret, **kw)
     else:
-        from pallas_kernels.tpu.quantize_pack import quantize_pack_tpu
+        from pallas_kernels.quantize_pack.tpu import quantize_pack_tpu
 
         out = quantize_pack_tpu(xh, a32, c, interpret=interpret, **kw)
     # [Hkv, N_pad, w] -> [N, Hkv, w]

@@ -15,7 +15,7 @@ is then computed by one of three exact implementations (`routed_experts`):
 - `"dense"`: every expert on every token, weighted by a mostly-zero [N, E] matrix. E times the
   FLOPs; the slow twin the other two are tested against.
 
-The nnx modules holding the weights live in `kvjax.model`; these functions see plain arrays.
+The nnx modules holding the weights live in `kvjax.models.model`; these functions see plain arrays.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvjax.cache.allocator import PageManager, PagePoolExhausted
+from kvjax.cache.paged import CacheConfig, PagedKVCache
+from kvjax.cache.quantizers import QuantConfig
+from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
-from kvjax.model import Transformer
-from kvjax.paged_cache import CacheConfig, PagedKVCache, PageManager, PagePoolExhausted
-from kvjax.quantizers import QuantConfig
-from kvjax.transforms import KVTransforms
+from kvjax.models.model import Transformer
 
 CFG = ModelConfig(
     model_type="llama",
@@ -152,7 +153,7 @@ def test_value_folding_with_identity_quantizer_reproduces_model(model):
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (1, 30)))
     full, _ = model(tokens)
     folded = nnx.clone(model)
-    from kvjax.transforms import fold_value_transforms
+    from kvjax.cache.transforms import fold_value_transforms
 
     tf_folded = fold_value_transforms(folded, tf)
     assert tf_folded.values_folded

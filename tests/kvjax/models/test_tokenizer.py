@@ -1,4 +1,4 @@
-"""Tests for kvjax.tokenizer against the HuggingFace tokenizer of the same GGUF."""
+"""Tests for kvjax.models.tokenizer against the HuggingFace tokenizer of the same GGUF."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from kvjax import assets
 from kvjax.config import UnsupportedModelError
-from kvjax.tokenizer import Tokenizer
+from kvjax.models.tokenizer import Tokenizer
 
 # Strings on which llama.cpp's "smollm" pre-tokenizer and transformers' GGUF conversion agree
 # (see test_digits_after_whitespace_run_follow_llama_cpp for where they do not).

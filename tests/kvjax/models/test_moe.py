@@ -1,4 +1,4 @@
-"""kvjax.moe: routers vs the HF PyTorch routers, routed implementations vs the dense twin."""
+"""kvjax.models.moe: routers vs the HF PyTorch routers, routed implementations vs the dense twin."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax.config import MoEConfig
-from kvjax.moe import MOE_IMPLS, route, routed_experts, routed_experts_dense, tile_plan
+from kvjax.models.moe import MOE_IMPLS, route, routed_experts, routed_experts_dense, tile_plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

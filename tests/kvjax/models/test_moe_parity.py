@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.cache.dense import DenseKVCache
 from kvjax.config import ModelConfig, MoEConfig, UnsupportedModelError
-from kvjax.hf_loader import load_hf_checkpoint
-from kvjax.kv_cache import DenseKVCache
-from kvjax.model import MissingWeightsError, Transformer, expected_weight_names
+from kvjax.models.hf_loader import load_hf_checkpoint
+from kvjax.models.model import MissingWeightsError, Transformer, expected_weight_names
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.hf_loader import load_hf_checkpoint
-from kvjax.kv_cache import DenseKVCache
-from kvjax.model import Transformer
+from kvjax.cache.dense import DenseKVCache
+from kvjax.models.hf_loader import load_hf_checkpoint
+from kvjax.models.model import Transformer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

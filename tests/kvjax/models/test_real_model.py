@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from kvjax import assets
-from kvjax.engine import Engine
-from kvjax.gguf_loader import load_gguf
-from kvjax.loading import load_model
-from kvjax.model import Transformer
-from kvjax.paged_cache import CacheConfig
+from kvjax.cache.paged import CacheConfig
+from kvjax.models.gguf_loader import load_gguf
+from kvjax.models.loading import load_model
+from kvjax.models.model import Transformer
+from kvjax.serving.engine import Engine
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -5,7 +5,7 @@ A cache is an immutable pytree. The model calls, for each layer,
 new tokens, then `cache = cache.advance(num_new_tokens)` once after the last layer.
 `attend` stores the new keys/values and returns the per-head attention output of the new
 queries over everything the sequence has stored (causal within the chunk).
-The quantized paged cache (`kvjax.paged_cache`) implements the same protocol.
+The quantized paged cache (`kvjax.cache.paged`) implements the same protocol.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvjax.attention import causal_mask, grouped_attention
+from kvjax.cache.attention import causal_mask, grouped_attention
 from kvjax.config import ModelConfig
 
 

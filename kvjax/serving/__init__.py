@@ -1,0 +1,1 @@
+"""Serving: the engine (prefill/decode loops), sampling, sharding rules and meshes."""

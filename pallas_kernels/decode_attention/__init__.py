@@ -1,0 +1,34 @@
+"""Paged mixed-precision decode attention: one API over several backend bodies.
+
+- `api`: the public jitted wrappers, split planning and the log-sum-exp merge.
+- `reference`: pure-jnp float32 twins with the same signatures.
+- `checks`: input validation shared by the two.
+- `tiles`: the per-tile math (and `DecodeConfig`) every backend body imports.
+- `gpu_triton`: the Pallas Triton body (GPU; interpret-mode twin in CPU CI).
+- `tpu`: the Pallas Mosaic TPU body.
+"""
+
+from pallas_kernels.decode_attention.api import (
+    decode_attention,
+    decode_attention_bf16,
+    decode_attention_variant,
+    lowbit_auto_splits,
+)
+from pallas_kernels.decode_attention.reference import (
+    ref_decode_attention,
+    ref_decode_attention_bf16,
+)
+from pallas_kernels.decode_attention.tiles import BACKENDS, CODE_DOT_DTYPE, NEG_INF, DecodeConfig
+
+__all__ = [
+    "BACKENDS",
+    "CODE_DOT_DTYPE",
+    "NEG_INF",
+    "DecodeConfig",
+    "decode_attention",
+    "decode_attention_bf16",
+    "decode_attention_variant",
+    "lowbit_auto_splits",
+    "ref_decode_attention",
+    "ref_decode_attention_bf16",
+]

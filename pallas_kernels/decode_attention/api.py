@@ -1,0 +1,419 @@
+"""Paged mixed-precision decode attention: split planning, merge and the public wrappers.
+
+One query token per sequence attends over a paged cache holding two key/value sets in the
+transformed frame (DESIGN.md section 3): full-precision pages (sink + recent windows) and
+low-bit pages (packed codes with a per-token, per-group scale and zero point, see
+`pallas_kernels.layout`). Attention is permutation-invariant over keys, so the two sets are
+just two segments of one online softmax.
+
+Kernel algebra (DESIGN.md section 5), with ``k_hat = s (c - z)`` per group of channels:
+
+    q . k_hat                = s (q . c) - s z sum(q)
+    sum_t p_t s_t (c_t - z_t) = sum_t (p_t s_t) c_t - sum_t p_t s_t z_t
+
+so the inner loops are plain tensor-core dots of the query (or the probabilities) against
+small-integer code planes; scales and zero points are applied per token outside the dot.
+
+Backends: ``backend="gpu"`` runs the Pallas Triton body in `gpu_triton`,
+``backend="tpu"`` the Mosaic body in `tpu`; both return per-split partial
+results, combined by log-sum-exp in the GPU merge kernel (`gpu_triton`
+``merge_splits``, with the value inverse) or by `_merge_splits` (XLA, TPU).
+``interpret=True`` runs either on CPU.
+
+Example::
+
+    out = decode_attention(q, k_fp, v_fp, fp_table, fp_len, k_codes, v_codes,
+                           k_scale, k_zero, v_scale, v_zero, q_table, q_len, bkt, bv,
+                           bits=2, sm_scale=d**-0.5)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import layout
+from pallas_kernels.decode_attention.checks import _check_kernel_shapes, _validate, _validate_fp
+from pallas_kernels.decode_attention.tiles import (
+    BACKENDS,
+    BF16_PAGES_PER_BLOCK,
+    LOG2E,
+    DecodeConfig,
+)
+
+# Programs to launch when choosing splits automatically (132 SMs on H200, a few resident
+# programs each). The low-bit kernel: ~1024 (H200 runs 8-12). Run 12 measured 512 level with
+# 1024 for 2 bits (0.689 ms at 8 x 128k, 0.086 at 1 x 64k) but 4 bits 25% slower at 8 x 128k
+# (1.124 vs 0.899 ms in run 11): fewer, longer programs leave a partial last wave. The BF16
+# baseline keeps the 512 it was tuned with.
+_TARGET_PROGRAMS = 512
+_TARGET_PROGRAMS_LOWBIT = 1024
+
+
+# ------------------------------------------------------------------------------------------
+# Split planning and merge
+# ------------------------------------------------------------------------------------------
+def _auto_splits(
+    batch: int, hkv: int, max_pages: int, pages_per_block: int, target: int = _TARGET_PROGRAMS
+) -> int:
+    blocks = max(1, -(-max_pages // pages_per_block))
+    return int(max(1, min(blocks, -(-target // (batch * hkv)))))
+
+
+def lowbit_auto_splits(batch: int, hkv: int, max_pages: int, pages_per_block: int) -> int:
+    """Splits `decode_attention` picks when ``num_splits`` is None."""
+    return _auto_splits(batch, hkv, max_pages, pages_per_block, _TARGET_PROGRAMS_LOWBIT)
+
+
+def _split_table(
+    table: jax.Array,  # i32[B, n]
+    num_splits: int,
+    unit: int,
+) -> jax.Array:  # i32[B, S, pages_per_split]
+    """Pads the table (with page 0; masked by length) so each split gets whole units."""
+    b, n = table.shape
+    per = -(-n // (num_splits * unit)) * unit
+    table = jnp.pad(table, ((0, 0), (0, num_splits * per - n)))
+    return table.reshape(b, num_splits, per)
+
+
+def _merge_partials(
+    acc: jax.Array,  # f32[B, Hkv, S, R, d] unnormalised partial outputs (R: Gp or the group)
+    m: jax.Array,  # f32[B, Hkv, S, R] running max, base-2 units
+    l: jax.Array,  # f32[B, Hkv, S, R] partial softmax denominators
+) -> jax.Array:  # f32[B, Hkv, R, d]
+    """Flash-decoding log-sum-exp merge of the split partials."""
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp2(m - m_all)  # [B, K, S, Gp]; 0 for empty splits unless all are empty
+    l_all = jnp.sum(w * l, axis=2)  # [B, K, Gp]
+    o = jnp.sum(w[..., None] * acc, axis=2)  # [B, K, Gp, d]
+    return o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # no key at all -> zeros
+
+
+def _ungroup(
+    o: jax.Array,  # f32[B, Hkv, Gp, d]
+    group: int,
+) -> jax.Array:  # f32[B, Hkv * group, d]
+    b, k, _, d = o.shape
+    return o[:, :, :group, :].reshape(b, k * group, d)
+
+
+def _merge_splits(
+    acc: jax.Array,  # f32[B, Hkv, S, Gp, d] unnormalised partial outputs (final frame)
+    m: jax.Array,  # f32[B, Hkv, S, Gp]
+    l: jax.Array,  # f32[B, Hkv, S, Gp]
+    group: int,
+) -> jax.Array:  # f32[B, Hkv * group, d]
+    return _ungroup(_merge_partials(acc, m, l), group)
+
+
+def _group_queries(q: jax.Array, hkv: int, pad_to: int) -> tuple[jax.Array, int]:
+    b, hq, d = q.shape
+    g = hq // hkv
+    gp = max(pad_to, 1 << (g - 1).bit_length())
+    qg = q.astype(jnp.float32).reshape(b, hkv, g, d)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0))), g
+
+
+def _backend_module(backend: str):
+    # Imported lazily: the backend bodies import this module's per-tile helpers.
+    if backend == "gpu":
+        from pallas_kernels.decode_attention import gpu_triton as mod
+    else:
+        from pallas_kernels.decode_attention import tpu as mod
+    return mod
+
+
+# ------------------------------------------------------------------------------------------
+# Public wrappers
+# ------------------------------------------------------------------------------------------
+_LOWBIT_STATIC = (
+    "bits",
+    "sm_scale",
+    "num_splits",
+    "pages_per_block",
+    "backend",
+    "interpret",
+    "num_warps",
+    "num_stages",
+)
+
+
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC)
+def decode_attention(
+    q: jax.Array,  # bf16|f32[B, Hq, d] one query per sequence, original frame
+    k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d] full-precision pages (transformed frame)
+    v_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
+    fp_page_table: jax.Array,  # i32[B, max_fp_pages]
+    fp_len: jax.Array,  # i32[B] valid full-precision tokens
+    k_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
+    v_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
+    k_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    k_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    v_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    v_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    q_page_table: jax.Array,  # i32[B, max_q_pages]
+    q_len: jax.Array,  # i32[B] valid low-bit tokens (multiple of page)
+    query_transform: jax.Array | None = None,  # f32[Hkv, d, d] = B_K^T, None = identity
+    value_inverse: jax.Array | None = None,  # f32[Hkv, d, d] = B_V, None = identity
+    *,
+    bits: int,
+    sm_scale: float,
+    num_splits: int | None = None,
+    pages_per_block: int | None = None,
+    backend: str = "gpu",
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:  # f32[B, Hq, d]
+    """Decode attention over a paged cache of full-precision and packed low-bit pages.
+
+    Query head ``j`` reads KV head ``j // (Hq // Hkv)``; each KV head is read once for its
+    whole query group. The query transform and the value inverse are applied by Pallas
+    kernels: on the GPU by a prologue kernel (once per sequence and KV head, rather than once
+    per split program) and an epilogue kernel on the merged output (the inverse is linear, so
+    this equals applying it per split); the TPU body applies them inside the split kernel.
+
+    Args:
+      q, k_fp, ..., value_inverse: see the shape comments; unused table entries may point at
+        any valid page, and unused pages may hold NaN.
+      bits: 2 or 4 (packed planar codes, `pallas_kernels.layout`).
+      sm_scale: softmax scale applied to the logits.
+      num_splits: sequence splits (flash decoding); ``None`` picks enough to fill the GPU.
+      pages_per_block: pages gathered per inner step (GPU; the TPU body takes one page/step);
+        ``None`` uses the backend's ``DEFAULT_PAGES_PER_BLOCK``.
+      backend: ``"gpu"`` (Pallas Triton) or ``"tpu"`` (Pallas Mosaic).
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+      num_warps, num_stages: GPU launch knobs; ``None`` uses the GPU body's defaults.
+
+    Returns:
+      float32 attention output in the original frame, ``[B, Hq, d]``.
+    """
+    return decode_attention_variant(
+        q,
+        k_fp,
+        v_fp,
+        fp_page_table,
+        fp_len,
+        k_codes,
+        v_codes,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        q_page_table,
+        q_len,
+        query_transform,
+        value_inverse,
+        bits=bits,
+        sm_scale=sm_scale,
+        num_splits=num_splits,
+        pages_per_block=pages_per_block,
+        backend=backend,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums"))
+def decode_attention_variant(
+    q: jax.Array,  # bf16|f32[B, Hq, d]
+    k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
+    v_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
+    fp_page_table: jax.Array,  # i32[B, max_fp_pages]
+    fp_len: jax.Array,  # i32[B]
+    k_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
+    v_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
+    k_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    k_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    v_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    v_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
+    q_page_table: jax.Array,  # i32[B, max_q_pages]
+    q_len: jax.Array,  # i32[B]
+    query_transform: jax.Array | None = None,  # f32[Hkv, d, d]
+    value_inverse: jax.Array | None = None,  # f32[Hkv, d, d]
+    *,
+    bits: int,
+    sm_scale: float,
+    num_splits: int | None = None,
+    pages_per_block: int | None = None,
+    backend: str = "gpu",
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    gather: str | None = None,
+    int_to_float: str | None = None,
+    row_sums: str | None = None,
+) -> jax.Array:  # f32[B, Hq, d]
+    """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
+
+    Args:
+      gather, int_to_float, row_sums: see `DecodeConfig`; ``None`` takes the backend's
+        defaults (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` / ``DEFAULT_ROW_SUMS`` of the
+        backend module; the modes a backend supports are its ``GATHER_MODES`` /
+        ``INT_TO_FLOAT`` / ``ROW_SUMS``).
+      Others: as in `decode_attention`.
+    """
+    dims = _validate(
+        q,
+        k_fp,
+        v_fp,
+        fp_page_table,
+        fp_len,
+        k_codes,
+        v_codes,
+        k_scale,
+        k_zero,
+        v_scale,
+        v_zero,
+        q_page_table,
+        q_len,
+        query_transform,
+        value_inverse,
+        bits=bits,
+    )
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    mod = _backend_module(backend)
+    if pages_per_block is None:
+        pages_per_block = mod.DEFAULT_PAGES_PER_BLOCK
+    _check_kernel_shapes(dims, bits, pages_per_block, backend)
+    gather = mod.DEFAULT_GATHER if gather is None else gather
+    int_to_float = mod.DEFAULT_INT_TO_FLOAT if int_to_float is None else int_to_float
+    if gather not in mod.GATHER_MODES:
+        raise ValueError(f"gather={gather!r} must be one of {mod.GATHER_MODES} for {backend=}")
+    if int_to_float not in mod.INT_TO_FLOAT:
+        raise ValueError(
+            f"int_to_float={int_to_float!r} must be one of {mod.INT_TO_FLOAT} for {backend=}"
+        )
+    row_sums = mod.DEFAULT_ROW_SUMS if row_sums is None else row_sums
+    if row_sums not in mod.ROW_SUMS:
+        raise ValueError(f"row_sums={row_sums!r} must be one of {mod.ROW_SUMS} for {backend=}")
+    unit = pages_per_block if backend == "gpu" else 1
+    if num_splits is None:
+        num_splits = lowbit_auto_splits(
+            dims["b"], dims["hkv"], q_page_table.shape[1], pages_per_block
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    qg, g = _group_queries(q, dims["hkv"], mod.MIN_GROUP_PAD)
+    hoist = mod.HOISTS_TRANSFORMS
+    cfg = DecodeConfig(
+        head_dim=dims["d"],
+        page_size=dims["page"],
+        group_pad=qg.shape[2],
+        n_chunks=layout.codes_per_byte(bits),
+        bits=bits,
+        group_size=dims["group_size"],
+        scale_log2=float(sm_scale) * LOG2E,
+        pages_per_block=unit,
+        has_query_transform=query_transform is not None and not hoist,
+        has_value_inverse=value_inverse is not None and not hoist,
+        gather=gather,
+        int_to_float=int_to_float,
+        row_sums=row_sums,
+        group=g,
+    )
+    f32 = jnp.float32
+    qt = None if query_transform is None else query_transform.astype(f32)
+    vi = None if value_inverse is None else value_inverse.astype(f32)
+    if hoist and qt is not None:
+        qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
+    acc, m, l = mod.paged_decode(
+        cfg,
+        qg,
+        None if hoist else qt,
+        None if hoist else vi,
+        (k_fp, v_fp, _split_table(fp_page_table, num_splits, unit), fp_len),
+        (
+            k_codes,
+            v_codes,
+            k_scale,
+            k_zero,
+            v_scale,
+            v_zero,
+            _split_table(q_page_table, num_splits, unit),
+            q_len,
+        ),
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if mod.HAS_MERGE_KERNEL:  # GPU: merge + value inverse (hoisted) in one kernel
+        o = mod.merge_splits(acc, m, l, vi if hoist else None, interpret=interpret)
+    else:
+        o = _merge_partials(acc, m, l)  # [B, Hkv, Gp, d]
+    return _ungroup(o, g)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "num_splits",
+        "pages_per_block",
+        "backend",
+        "interpret",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def decode_attention_bf16(
+    q: jax.Array,  # bf16|f32[B, Hq, d]
+    k_pages: jax.Array,  # bf16|f32[P, Hkv, page, d]
+    v_pages: jax.Array,  # bf16|f32[P, Hkv, page, d]
+    page_table: jax.Array,  # i32[B, max_pages]
+    lengths: jax.Array,  # i32[B]
+    *,
+    sm_scale: float,
+    num_splits: int | None = None,
+    pages_per_block: int | None = None,
+    backend: str = "gpu",
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:  # f32[B, Hq, d]
+    """The BF16 baseline: same kernel structure (GQA group as M, splits, LSE merge) over
+    full-precision pages only, no transforms. Arguments as in `decode_attention`
+    (``pages_per_block=None`` means 8, the value this baseline was tuned with)."""
+    if pages_per_block is None:
+        pages_per_block = BF16_PAGES_PER_BLOCK
+    dims = _validate_fp(q, k_pages, v_pages, page_table, lengths)
+    _check_kernel_shapes(dims, None, pages_per_block, backend)
+    mod = _backend_module(backend)
+    unit = pages_per_block if backend == "gpu" else 1
+    if num_splits is None:
+        num_splits = _auto_splits(dims["b"], dims["hkv"], page_table.shape[1], pages_per_block)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    qg, g = _group_queries(q, dims["hkv"], mod.MIN_GROUP_PAD)
+    cfg = DecodeConfig(
+        head_dim=dims["d"],
+        page_size=dims["page"],
+        group_pad=qg.shape[2],
+        n_chunks=1,
+        bits=None,
+        group_size=None,
+        scale_log2=float(sm_scale) * LOG2E,
+        pages_per_block=unit,
+        has_query_transform=False,
+        has_value_inverse=False,
+        group=g,
+    )
+    acc, m, l = mod.paged_decode(
+        cfg,
+        qg,
+        None,
+        None,
+        (k_pages, v_pages, _split_table(page_table, num_splits, unit), lengths),
+        None,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if mod.HAS_MERGE_KERNEL:  # the GPU merge kernel (no value inverse here)
+        return _ungroup(mod.merge_splits(acc, m, l, None, interpret=interpret), g)
+    return _merge_splits(acc, m, l, g)

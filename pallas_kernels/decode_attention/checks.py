@@ -1,0 +1,108 @@
+"""Input validation shared by the decode-attention reference and the public wrappers."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import layout
+from pallas_kernels.decode_attention.tiles import BACKENDS
+
+
+# ------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------
+def _validate_fp(q, k_pages, v_pages, page_table, lengths) -> dict[str, int]:
+    if q.ndim != 3:
+        raise ValueError(f"{q.shape=} must be [B, Hq, d]")
+    b, hq, d = q.shape
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"{q.dtype=} must be floating")
+    if k_pages.ndim != 4 or k_pages.shape[-1] != d:
+        raise ValueError(f"{k_pages.shape=} must be [P, Hkv, page, d={d}]")
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"{v_pages.shape=} {v_pages.dtype=} must match {k_pages.shape=}")
+    _, hkv, page, _ = k_pages.shape
+    if hq % hkv:
+        raise ValueError(f"{q.shape=}: Hq={hq} is not a multiple of Hkv={hkv}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] < 1:
+        raise ValueError(f"{page_table.shape=} must be [B={b}, >=1]")
+    if page_table.dtype != jnp.int32:
+        raise ValueError(f"{page_table.dtype=} must be int32")
+    if lengths.shape != (b,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"{lengths.shape=} {lengths.dtype=} must be int32[{b}]")
+    return {"b": b, "hq": hq, "d": d, "hkv": hkv, "page": page}
+
+
+def _validate(
+    q,
+    k_fp,
+    v_fp,
+    fp_page_table,
+    fp_len,
+    k_codes,
+    v_codes,
+    k_scale,
+    k_zero,
+    v_scale,
+    v_zero,
+    q_page_table,
+    q_len,
+    query_transform,
+    value_inverse,
+    *,
+    bits,
+) -> dict[str, int]:
+    dims = _validate_fp(q, k_fp, v_fp, fp_page_table, fp_len)
+    b, d, hkv, page = dims["b"], dims["d"], dims["hkv"], dims["page"]
+    if bits not in layout.SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} must be one of {layout.SUPPORTED_BITS}")
+    m = layout.packed_dim(d, bits)
+    if k_codes.ndim != 4 or k_codes.shape[1:] != (hkv, page, m):
+        raise ValueError(f"{k_codes.shape=} must be [P_q, Hkv={hkv}, page={page}, d//n={m}]")
+    if k_codes.dtype != jnp.uint8:
+        raise ValueError(f"{k_codes.dtype=} must be uint8")
+    if v_codes.shape != k_codes.shape or v_codes.dtype != jnp.uint8:
+        raise ValueError(f"{v_codes.shape=} {v_codes.dtype=} must match {k_codes.shape=}")
+    meta = k_scale.shape
+    if len(meta) != 4 or meta[:3] != k_codes.shape[:3] or meta[3] < 1 or d % meta[3]:
+        raise ValueError(f"{k_scale.shape=} must be [P_q, Hkv, page, d//G] for {k_codes.shape=}")
+    for name, a in (("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        if a.shape != meta:
+            raise ValueError(f"{name}.shape={a.shape} must equal {k_scale.shape=}")
+    if q_page_table.ndim != 2 or q_page_table.shape[0] != b or q_page_table.shape[1] < 1:
+        raise ValueError(f"{q_page_table.shape=} must be [B={b}, >=1]")
+    if q_page_table.dtype != jnp.int32:
+        raise ValueError(f"{q_page_table.dtype=} must be int32")
+    if q_len.shape != (b,) or q_len.dtype != jnp.int32:
+        raise ValueError(f"{q_len.shape=} {q_len.dtype=} must be int32[{b}]")
+    for name, t in (("query_transform", query_transform), ("value_inverse", value_inverse)):
+        if t is not None and t.shape != (hkv, d, d):
+            raise ValueError(f"{name}.shape={t.shape} must be (Hkv={hkv}, d={d}, d={d})")
+    dims.update(m=m, num_groups=meta[3], group_size=d // meta[3])
+    return dims
+
+
+def _check_kernel_shapes(
+    dims: dict[str, int], bits: int | None, pages_per_block: int, backend: str
+) -> None:
+    """Constraints of the kernels (not of the math): tile shapes and group alignment."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if pages_per_block < 1 or pages_per_block & (pages_per_block - 1):
+        raise ValueError(f"pages_per_block={pages_per_block} must be a power of two")
+    if bits is not None:
+        if bits not in layout.PACKED_BITS:
+            raise ValueError(f"bits={bits} is simulated only; kernels take {layout.PACKED_BITS}")
+        if dims["group_size"] % dims["m"]:
+            # Each code plane must lie inside one scale group so the scale can be applied
+            # after the plane's dot.
+            raise ValueError(
+                f"group_size={dims['group_size']} must be a multiple of d//n={dims['m']}"
+            )
+    if backend == "gpu":
+        for name in ("d", "page"):
+            v = dims[name]
+            if v & (v - 1) or v < 16:
+                raise ValueError(f"{name}={v} must be a power of two >= 16 for Triton tiles")
+        if bits is not None and dims["m"] < 16:
+            raise ValueError(f"d//n={dims['m']} must be >= 16 for tensor-core dots")

@@ -1,1 +1,0 @@
-"""TPU kernel bodies for Pallas' Mosaic TPU backend."""
