@@ -30,6 +30,39 @@ def _inputs(n, hkv, d, *, dist="t", dtype=jnp.float32, seed=0):
     return x.astype(dtype), a.astype(jnp.float32)
 
 
+def assert_quantized_close(out, ref, *, bits, d, group_size, err_msg=""):
+    """Kernel vs reference at the precision the contract promises, on any x86-64 CPU.
+
+    The kernel computes ``x @ A`` with another blocking than XLA's matmul (its last partial
+    block is padded), so the float32 transformed values may differ by a few float32 ulps (seen
+    on AVX2 machines), and so may the min/max they yield. Hence: scale and zero equal within
+    one ulp of their stored dtype or 16 float32 ulps, whichever is larger; codes equal wherever
+    the group's scale and zero are bit-equal, except a handful (an unrounded value within an
+    ulp of a rounding boundary) that differ by one; elsewhere codes differ by at most one.
+    """
+    codes_o, scale_o, zero_o = (np.asarray(a) for a in out)
+    codes_r, scale_r, zero_r = (np.asarray(a) for a in ref)
+    for name, o, r in (("scale", scale_o, scale_r), ("zero", zero_o, zero_r)):
+        assert o.shape == r.shape and o.dtype == r.dtype, name
+        rf = r.astype(np.float32)
+        ulp = np.maximum(np.abs(np.spacing(r).astype(np.float32)), 16 * np.spacing(np.abs(rf)))
+        diff = np.abs(o.astype(np.float32) - r.astype(np.float32))
+        bad = ~(diff <= ulp)
+        assert not bad.any(), (
+            f"{err_msg} {name}: {int(bad.sum())} values off by more than the tolerance"
+        )
+    co = np.asarray(layout.unpack_codes(jnp.asarray(codes_o), bits, d)).astype(np.int32)
+    cr = np.asarray(layout.unpack_codes(jnp.asarray(codes_r), bits, d)).astype(np.int32)
+    delta = np.abs(co - cr)
+    assert delta.max(initial=0) <= 1, f"{err_msg} codes differ by {delta.max()}"
+    same_meta = (scale_o == scale_r) & (zero_o == zero_r)  # [..., d // G]
+    same_meta = np.repeat(same_meta, group_size, axis=-1)  # [..., d]
+    n_boundary = int((delta[same_meta] > 0).sum())
+    assert n_boundary <= max(2, delta.size // 1000), (
+        f"{err_msg} {n_boundary} of {delta.size} codes differ where scale and zero agree"
+    )
+
+
 # (bits, head_dim, group_size, Hkv, method, clip kind, input dist, meta dtype). Cases 0-2 and
 # cases 3-5 each cover every value of bits {2,4}, d {64,128}, G {32,64,d}, Hkv {1,3,8}; each
 # backend runs one covering half by default and the other half (and the full product) as slow.
@@ -76,7 +109,7 @@ class QuantizePackTest:
         assert out[1].shape == lay.token_meta_shape(n) and out[1].dtype == lay.meta_jnp_dtype
         for name, r, o in zip(("codes", "scale", "zero"), ref, out):
             assert r.shape == o.shape and r.dtype == o.dtype, name
-            np.testing.assert_array_equal(np.asarray(o), np.asarray(r), err_msg=name)
+        assert_quantized_close(out, ref, bits=bits, d=d, group_size=g)
         return ref, out
 
     @pytest.mark.slow
@@ -124,9 +157,8 @@ class TestQuantizePackGpuInterpret(QuantizePackTest):
             interpret=self.interpret(),
         )
         ref = ref_quantize_pack(x, a, 0.96, bits=2, group_size=g)
-        for pool, r in zip((cp, sp, zp), ref):
-            got = pool[page_idx, :, slot]  # [N, Hkv, w]
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(r))
+        got = [pool[page_idx, :, slot] for pool in (cp, sp, zp)]  # [N, Hkv, w] each
+        assert_quantized_close(got, ref, bits=2, d=d, group_size=g)
         # Untouched pages keep their poison values.
         assert bool(jnp.all(cp[0] == 0xFF)) and bool(jnp.all(jnp.isnan(sp[3])))
         assert bool(jnp.all(jnp.isnan(zp[5, :, 1:])))
@@ -173,15 +205,15 @@ def test_shape_validation():
 
 def test_few_token_gpu_flush_takes_the_xla_path():
     # On GPU hardware a decode flush of <= GPU_XLA_MAX_TOKENS tokens is routed to the jitted
-    # reference (measured faster than the kernel); it must return exactly the reference's
-    # codes. Runs anywhere: that path has no Pallas call, so it needs no GPU.
+    # reference (measured faster than the kernel); it must return the reference's codes.
+    # Runs anywhere: that path has no Pallas call, so it needs no GPU.
     from pallas_kernels import quantize_pack as qp
 
     x, a = _inputs(qp.GPU_XLA_MAX_TOKENS, 8, 128)
     got = quantize_pack(x, a, 0.95, bits=2, backend="gpu", interpret=False)
     want = ref_quantize_pack(x, a, 0.95, bits=2)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # Jitted vs eager reference: XLA may fuse the matmul differently, so not bit-exact.
+    assert_quantized_close(got, want, bits=2, d=128, group_size=128)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton kernel)")
