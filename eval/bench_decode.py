@@ -12,14 +12,13 @@ sequence, K and V, all layers) and per prefill-sized call.
 
 Example (GPU)::
 
-    python -m eval.bench_decode --points 8x131072,1x65536 --out results/bench_decode_h200.json
+    python -m eval.bench_decode --points 8x131072,1x65536 --out runs/bench_decode.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import statistics
 import time
@@ -29,11 +28,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from eval.common import environment
 from pallas_kernels import decode_attention as da
 from pallas_kernels import layout
 from pallas_kernels.decode_attention import api as da_api
 
-DEFAULT_POINTS = ((1, 4096), (1, 65536), (1, 131072), (8, 16384), (8, 131072), (32, 16384))
+DEFAULT_POINTS = (
+    (1, 32768),
+    (1, 65536),
+    (1, 131072),
+    (8, 32768),
+    (8, 131072),
+    (32, 32768),
+    (16, 131072),
+    (32, 131072),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +74,8 @@ class BenchConfig:
     variants: tuple[str, ...] = (
         "int2_pallas",
         "int4_pallas",
+        "int2_mosaic",
+        "int4_mosaic",
         "bf16_pallas",
         "xla_dense_bf16",
         "cudnn_bf16",
@@ -77,7 +88,7 @@ class BenchConfig:
     pages_per_block: int | None = None  # None: the kernels' own defaults
     num_warps: int | None = None
     num_stages: int | None = None
-    out: str = "results/bench_decode.json"
+    out: str = "runs/bench_decode.json"
     tune: bool = False
     lowbit_variants: tuple[str, ...] = ()
     quantize_pack: bool = True  # also time quantize_pack per decode step
@@ -99,15 +110,20 @@ def _time_jax(fn: Callable[[], jax.Array], cfg: BenchConfig) -> float:
     return statistics.median(times)
 
 
-# L2 of the H200 is 60 MB: a cache smaller than a few times that would be timed from L2 if the
-# same buffers were read call after call, so the unrolled timer rotates among copies.
+# L2 of the H200 is 60 MB. Every call inside one timed jit reads its own input copy: XLA
+# merges calls that share an operand (20 dense-attention calls over 4 copies compiled to one
+# dot per copy, which read faster than HBM can deliver), and a copy read twice in a row can
+# be served from L2. Copies are rotated so one round reads >= 3x the L2.
 _L2_BYTES = 60 << 20
-_MAX_COPIES = 6
+_MAX_COPIES = 16
+_COPY_BUDGET_BYTES = 24 << 30  # device memory the input copies of one row may take
 
 
 def copies_for(nbytes: int) -> int:
-    """Independent input copies to rotate so one round of calls reads >= 3x the L2."""
-    return int(min(_MAX_COPIES, max(1, -(-3 * _L2_BYTES // max(1, nbytes)))))
+    """Independent input copies per timed jit: enough that one round reads >= 3x the L2,
+    at most `_MAX_COPIES` and `_COPY_BUDGET_BYTES` (at least one)."""
+    want = -(-3 * _L2_BYTES // max(1, nbytes))
+    return int(max(1, min(_MAX_COPIES, want, _COPY_BUDGET_BYTES // max(1, nbytes))))
 
 
 def _time_unrolled(
@@ -116,25 +132,31 @@ def _time_unrolled(
     queries: list[jax.Array],
     cfg: BenchConfig,
 ) -> float:
-    """Median seconds per call of ``call(cache, q)``, timed as ``len(queries)`` calls unrolled
-    inside ONE jit (host dispatch paid once per batch, not once per call).
+    """Median seconds per call of ``call(cache, q)``.
 
-    Call ``i`` reads ``caches[i % len(caches)]`` with its own query, so no two calls are the
-    same computation (XLA would merge them) and rotating copies keeps small caches out of L2.
+    One jit holds ``len(caches)`` calls, call ``i`` reading ``caches[i]`` and ``queries[i]``
+    only (no operand shared between calls, so XLA cannot merge them); it is dispatched
+    back to back enough times for ``calls_per_repeat`` calls per timed batch, with one sync
+    per batch (host dispatch overlaps the device work).
     """
-    n = len(queries)
+    n = len(caches)
+    if len(queries) < n:
+        raise ValueError(f"{len(queries)=} queries for {n} cache copies")
+    queries = queries[:n]
+    rounds = max(1, -(-cfg.calls_per_repeat // n))
 
     @jax.jit
     def many(caches, queries):
-        return tuple(call(caches[i % len(caches)], queries[i]) for i in range(n))
+        return tuple(call(c, q) for c, q in zip(caches, queries))
 
     jax.block_until_ready(many(caches, queries))  # compile + warm up
     jax.block_until_ready(many(caches, queries))
     times = []
     for _ in range(cfg.repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(many(caches, queries))
-        times.append((time.perf_counter() - t0) / n)
+        outs = [many(caches, queries) for _ in range(rounds)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / (rounds * n))
     return statistics.median(times)
 
 
@@ -165,16 +187,20 @@ def _pages(n_tokens: int, page: int) -> int:
     return -(-n_tokens // page)
 
 
-def _make_lowbit_inputs(cfg: BenchConfig, batch: int, ctx: int, bits: int, key) -> dict:
+def _make_lowbit_inputs(
+    cfg: BenchConfig, batch: int, ctx: int, bits: int, key, page_q: int | None = None
+) -> dict:
+    """Random pools of one layer; low-bit pages hold ``page_q`` tokens (default: page_size)."""
     d, hkv, page = cfg.head_dim, cfg.kv_heads, cfg.page_size
     n = layout.codes_per_byte(bits)
     n_fp, n_q = _split_context(cfg, ctx)
-    pf, pq = _pages(n_fp, page), _pages(n_q, page) if n_q else 1
+    page_q = page if page_q is None else page_q
+    pf, pq = _pages(n_fp, page), _pages(n_q, page_q) if n_q else 1
     ks = jax.random.split(key, 8)
     f16 = jnp.float16
     q_pages = batch * pq
-    codes_shape = (q_pages, hkv, page, d // n)
-    meta = (q_pages, hkv, page, 1)
+    codes_shape = (q_pages, hkv, page_q, d // n)
+    meta = (q_pages, hkv, page_q, 1)
     return dict(
         q=jax.random.normal(ks[0], (batch, cfg.q_heads, d), jnp.bfloat16),
         k_fp=jax.random.normal(ks[1], (batch * pf, hkv, page, d), jnp.bfloat16),
@@ -210,6 +236,19 @@ def _dense_attention(q, k, v, sm_scale):
 LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_pallas": (2, {}, {}),
     "int4_pallas": (4, {}, {}),
+    # The Mosaic GPU body (tokens as the MMA's M) reads 64-token low-bit pages.
+    "int2_mosaic": (2, dict(backend="gpu_mosaic", pages_per_block=1), dict(lowbit_page_size=64)),
+    "int4_mosaic": (4, dict(backend="gpu_mosaic", pages_per_block=1), dict(lowbit_page_size=64)),
+    "int2_mosaic_per_step": (
+        2,
+        dict(backend="gpu_mosaic", pages_per_block=1, row_sums="per_step"),
+        dict(lowbit_page_size=64),
+    ),
+    "int2_mosaic_page128": (
+        2,
+        dict(backend="gpu_mosaic", pages_per_block=1),
+        dict(lowbit_page_size=128),
+    ),
     # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float` / `row_sums`); the GPU
     # default is rows + asm + deferred since run 11 (prefetch + asm in runs 8-10, pages +
     # exponent in runs 5-6).
@@ -284,12 +323,14 @@ def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) 
     bits, kw, override = lowbit_variant(cfg, batch, ctx, name)
     sm = cfg.head_dim**-0.5
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
+    override = dict(override)
+    page_q = override.pop("lowbit_page_size", None)
     caches = []
     for r in range(copies_for(nbytes)):
-        x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r))
+        x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r), page_q)
         x.pop("q")
         caches.append(with_overrides(x, override, batch))
-    qs = _queries(cfg, batch, key)
+    qs = _queries(cfg, batch, key, len(caches))
 
     def call(x, q):
         return da.decode_attention_variant(q=q, **x, bits=bits, sm_scale=sm, **kw)
@@ -304,8 +345,8 @@ def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) 
     )
 
 
-def _queries(cfg: BenchConfig, batch: int, key) -> list[jax.Array]:
-    ks = jax.random.split(jax.random.fold_in(key, 99), cfg.calls_per_repeat)
+def _queries(cfg: BenchConfig, batch: int, key, n: int) -> list[jax.Array]:
+    ks = jax.random.split(jax.random.fold_in(key, 99), n)
     return [jax.random.normal(k, (batch, cfg.q_heads, cfg.head_dim), jnp.bfloat16) for k in ks]
 
 
@@ -333,20 +374,23 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
                 bandwidth_GBps=nbytes / t / 1e9,
                 fraction_of_ceiling=nbytes / t / ceiling,
             )
+            if nbytes / t > 1.02 * ceiling:  # faster than memory can deliver: a timing bug
+                row["above_ceiling"] = True
+                print(f"WARNING {name}: reads above the measured ceiling", flush=True)
         except Exception as e:  # a missing backend feature is a result, not a crash
             row.update(error=f"{type(e).__name__}: {str(e)[:300]}")
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    lowbit = [v for v in ("int2_pallas", "int4_pallas") if v in cfg.variants]
+    lowbit = [v for v in cfg.variants if v in LOWBIT_VARIANTS]
     for name in lowbit + [v for v in cfg.lowbit_variants if v not in lowbit]:
         _lowbit_row(cfg, batch, ctx, name, key, record)
 
     need_dense = {"bf16_pallas", "xla_dense_bf16", "cudnn_bf16"} & set(cfg.variants)
     if need_dense:
         ks = jax.random.split(key, 3)
-        qs = _queries(cfg, batch, key)
         n_copies = copies_for(bf16_bytes)
+        qs = _queries(cfg, batch, key, n_copies)
         dense = [
             dict(
                 k=jax.random.normal(
@@ -398,22 +442,28 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
 
 
 def _time_torch_sdpa(cfg: BenchConfig, batch: int, ctx: int) -> float:
-    """Median seconds per SDPA call: ``calls_per_repeat`` calls (own queries) captured in one
-    CUDA graph and timed with CUDA events, so host launch cost is excluded as for the JAX rows.
-    """
+    """Median seconds per SDPA call: one CUDA graph of calls that each read their own query
+    and their own K/V copy (`copies_for`, as the JAX rows), replayed back to back for
+    ``calls_per_repeat`` calls and timed with CUDA events (host launch cost excluded)."""
     import torch  # optional outside reference
     import torch.nn.functional as F
 
     if not torch.cuda.is_available():
         raise RuntimeError("torch has no CUDA device")
     dev, bf = "cuda", torch.bfloat16
-    n = cfg.calls_per_repeat
+    n = copies_for(batch * ctx * cfg.kv_heads * cfg.head_dim * 2 * 2)
+    rounds = max(1, -(-cfg.calls_per_repeat // n))
     qs = [torch.randn(batch, cfg.q_heads, 1, cfg.head_dim, device=dev, dtype=bf) for _ in range(n)]
-    k = torch.randn(batch, cfg.kv_heads, ctx, cfg.head_dim, device=dev, dtype=bf)
-    v = torch.randn_like(k)
+    kv_shape = (batch, cfg.kv_heads, ctx, cfg.head_dim)
+    kvs = [
+        (torch.randn(kv_shape, device=dev, dtype=bf), torch.randn(kv_shape, device=dev, dtype=bf))
+        for _ in range(n)
+    ]
 
     def calls():
-        return [F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for q in qs]
+        return [
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True) for q, (k, v) in zip(qs, kvs)
+        ]
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -430,11 +480,13 @@ def _time_torch_sdpa(cfg: BenchConfig, batch: int, ctx: int) -> float:
     for _ in range(cfg.repeats):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        graph.replay()
+        for _ in range(rounds):
+            graph.replay()
         e1.record()
         torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / n)
+        times.append(e0.elapsed_time(e1) / 1e3 / (n * rounds))
     del outs, graph
+    kvs.clear()
     torch.cuda.empty_cache()
     return statistics.median(times)
 
@@ -460,7 +512,9 @@ def _quantize_pack_call_ms(cfg: BenchConfig, tokens: int) -> dict:
         for bits in (2, 4):
             tag = f"{impl}_int{bits}"
             try:
-                t = _time_unrolled(lambda c, x, fn=fn, bits=bits: fn(x, bits), [{}], xs, cfg)
+                t = _time_unrolled(
+                    lambda c, x, fn=fn, bits=bits: fn(x, bits), [{}] * len(xs), xs, cfg
+                )
                 out[f"{tag}_per_call_ms"] = t * 1e3
             except Exception as e:
                 out[f"{tag}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -551,24 +605,28 @@ def _auto(cfg: BenchConfig, batch: int, ctx: int, ppb: int) -> int:
 
 
 def _speedups(rows: list[dict]) -> list[dict]:
-    """Per point: speedup of each Pallas low-bit row over the best JAX BF16 and torch rows."""
+    """Per point: speedup of each low-bit row over torch SDPA, cuDNN and the best JAX BF16 row."""
     out = []
     for point in sorted({(r["batch"], r["context"]) for r in rows}):
-        t = {r["variant"]: r.get("time_ms") for r in rows if (r["batch"], r["context"]) == point}
+        at = [r for r in rows if (r["batch"], r["context"]) == point]
+        t = {r["variant"]: r.get("time_ms") for r in at if not r.get("above_ceiling")}
         jax_bf16 = [t[v] for v in ("xla_dense_bf16", "cudnn_bf16", "bf16_pallas") if t.get(v)]
         best = min(jax_bf16) if jax_bf16 else None
-        for v in ("int2_pallas", "int4_pallas"):
+        for v in [r["variant"] for r in at if r["variant"] in LOWBIT_VARIANTS]:
             if not t.get(v):
                 continue
+
+            def ratio(base, v=v, t=t):
+                return t[base] / t[v] if t.get(base) else None
+
             out.append(
                 dict(
                     batch=point[0],
                     context=point[1],
                     variant=v,
+                    vs_torch_sdpa=ratio("torch_sdpa_bf16"),
+                    vs_cudnn=ratio("cudnn_bf16"),
                     vs_best_jax_bf16=None if best is None else best / t[v],
-                    vs_torch_sdpa=(t["torch_sdpa_bf16"] / t[v])
-                    if t.get("torch_sdpa_bf16")
-                    else None,
                 )
             )
     return out
@@ -576,6 +634,9 @@ def _speedups(rows: list[dict]) -> list[dict]:
 
 def markdown_table(result: dict) -> str:
     lines = [
+        f"`{result.get('command', '')}` at commit {result.get('commit', '?')}, "
+        f"{result.get('date', '')}, {result.get('device', '')}, jax {result.get('jax_version')}",
+        "",
         f"read-bandwidth ceiling (bf16 sum over 4 GiB): {result['read_ceiling_GBps']:.0f} GB/s",
         "",
         "| batch | context | variant | time (ms) | bytes read (MB) | GB/s | of ceiling |",
@@ -583,8 +644,9 @@ def markdown_table(result: dict) -> str:
     ]
     for r in result["rows"]:
         if "time_ms" in r:
+            flag = " (above ceiling: invalid)" if r.get("above_ceiling") else ""
             lines.append(
-                f"| {r['batch']} | {r['context']} | {r['variant']} | {r['time_ms']:.4f} | "
+                f"| {r['batch']} | {r['context']} | {r['variant']}{flag} | {r['time_ms']:.4f} | "
                 f"{r['bytes_read'] / 1e6:.1f} | {r['bandwidth_GBps']:.0f} | "
                 f"{r['fraction_of_ceiling']:.2f} |"
             )
@@ -595,13 +657,15 @@ def markdown_table(result: dict) -> str:
             )
     lines += [
         "",
-        "| batch | context | kernel | x best JAX BF16 | x torch SDPA |",
-        "|---:|---:|---|---:|---:|",
+        "| batch | context | kernel | x torch SDPA | x cuDNN | x best JAX BF16 |",
+        "|---:|---:|---|---:|---:|---:|",
     ]
     for s in result["speedups"]:
-        a = "-" if s["vs_best_jax_bf16"] is None else f"{s['vs_best_jax_bf16']:.2f}"
-        b = "-" if s["vs_torch_sdpa"] is None else f"{s['vs_torch_sdpa']:.2f}"
-        lines.append(f"| {s['batch']} | {s['context']} | {s['variant']} | {a} | {b} |")
+        cells = [
+            "-" if s[k] is None else f"{s[k]:.2f}"
+            for k in ("vs_torch_sdpa", "vs_cudnn", "vs_best_jax_bf16")
+        ]
+        lines.append(f"| {s['batch']} | {s['context']} | {s['variant']} | " + " | ".join(cells))
 
     def step_cell(q, tag):
         a, c = q.get(f"{tag}_per_step_ms"), q.get(f"{tag}_per_call_ms")
@@ -675,9 +739,8 @@ def main(cfg: BenchConfig) -> dict:
         else []
     )
     result = dict(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **environment(),
         device=dev.device_kind,
-        jax_version=jax.__version__,
         config=dataclasses.asdict(cfg),
         read_ceiling_GBps=ceiling / 1e9,
         rows=rows,
@@ -723,7 +786,11 @@ if __name__ == "__main__":
     p.add_argument("--num-warps", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default="results/bench_decode.json")
+    p.add_argument(
+        "--out",
+        default="runs/bench_decode.json",
+        help="JSON path (a .md table beside it); results/ only when asked",
+    )
     p.add_argument("--tune", action="store_true", help="low-bit attribution/tuning sweep")
     p.add_argument(
         "--skip-quantize-pack", action="store_true", help="do not time quantize_pack per step"

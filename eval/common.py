@@ -322,9 +322,46 @@ class TokenScorer:
 # ------------------------------------------------------------------------------------------
 
 
+def git_commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes), or ``unknown``."""
+    import subprocess
+
+    here = pathlib.Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return "unknown"
+    if rev.returncode:
+        return "unknown"
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it (``python -m module args``)."""
+    import shlex
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = (
+        ["python", "-m", spec.name] if spec is not None and spec.name else ["python", *sys.argv[:1]]
+    )
+    return shlex.join(head + sys.argv[1:])
+
+
 def environment() -> dict[str, Any]:
-    """Date, machine and library versions, recorded in every result file."""
+    """Command, commit, date, machine and library versions, recorded in every result file."""
     return dict(
+        command=command_line(),
+        commit=git_commit(),
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
         cpu_count=os.cpu_count(),

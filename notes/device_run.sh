@@ -2,8 +2,8 @@
 # One batched device call (see notes/device_runs.md): GPU correctness, benchmark, ncu, Engine.
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
-# steps: comma-separated from tests, sweep, suite, bench, ncu (NCU_VARIANTS), kernels, paged,
-# engine. suite = the README's test command (CI subset) on the GPU machine, 8 workers.
+# steps: comma-separated from tests, mosaic, sweep, suite, bench, ncu (NCU_VARIANTS), kernels,
+# paged, engine. suite = the README's test command (CI subset) on the GPU machine, 8 workers.
 # sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
 # workers on the one GPU when pytest-xdist is there or its wheels were carried in .whl/.
 set -u
@@ -26,6 +26,13 @@ for mod in xdist:pytest-xdist execnet:execnet hypothesis:hypothesis sortedcontai
   python3 -c "import ${mod%%:*}" 2>/dev/null ||
     python3 -m pip install -q --no-index --no-deps --find-links .whl "${mod##*:}" > /dev/null 2>&1
 done
+if [[ $steps == *mosaic* ]]; then
+  # The Mosaic GPU body against the reference (its own sweep; no interpret twin exists).
+  timeout ${MOSAIC_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --maxfail=${MOSAIC_MAXFAIL:-1000} -rf \
+    tests/pallas_kernels/test_decode_attention.py -k "${MOSAIC_K:-TestDecodeAttentionMosaic}" \
+    > "$out/mosaic_tests.log" 2>&1
+  echo "mosaic tests rc=$?" >> "$out/gpu.txt"
+fi
 if [[ $steps == *sweep* ]]; then
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 4"
   # shellcheck disable=SC2086
@@ -66,7 +73,7 @@ if [[ $steps == *kernels* ]]; then
 fi
 if [[ $steps == *paged* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m "" \
-    tests/kvjax/test_paged_cache.py -k "pallas or identity" > "$out/paged_tests.log" 2>&1
+    tests/kvjax/cache/test_paged_cache.py -k "pallas or identity" > "$out/paged_tests.log" 2>&1
   echo "paged rc=$?" >> "$out/gpu.txt"
 fi
 if [[ $steps == *engine* ]]; then
@@ -74,4 +81,4 @@ if [[ $steps == *engine* ]]; then
     --modes dense,paged_pallas,paged_reference --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
   echo "engine rc=$?" >> "$out/gpu.txt"
 fi
-cat "$out/gpu.txt"; tail -n 5 "$out/tests.log" "$out/sweep.log" "$out/suite.log" "$out/bench.log" 2>/dev/null
+cat "$out/gpu.txt"; tail -n 5 "$out/tests.log" "$out/mosaic_tests.log" "$out/sweep.log" "$out/suite.log" "$out/bench.log" 2>/dev/null

@@ -121,6 +121,8 @@ def _backend_module(backend: str):
     # Imported lazily: the backend bodies import this module's per-tile helpers.
     if backend == "gpu":
         from pallas_kernels.decode_attention import gpu_triton as mod
+    elif backend == "gpu_mosaic":
+        from pallas_kernels.decode_attention import gpu_mosaic as mod
     else:
         from pallas_kernels.decode_attention import tpu as mod
     return mod
@@ -184,7 +186,8 @@ def decode_attention(
       num_splits: sequence splits (flash decoding); ``None`` picks enough to fill the GPU.
       pages_per_block: pages gathered per inner step (GPU; the TPU body takes one page/step);
         ``None`` uses the backend's ``DEFAULT_PAGES_PER_BLOCK``.
-      backend: ``"gpu"`` (Pallas Triton) or ``"tpu"`` (Pallas Mosaic).
+      backend: ``"gpu"`` (Pallas Triton), ``"gpu_mosaic"`` (Pallas Mosaic GPU, Hopper; low-bit
+        pages only, the rest by the Triton body) or ``"tpu"`` (Pallas Mosaic TPU).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
       num_warps, num_stages: GPU launch knobs; ``None`` uses the GPU body's defaults.
 
@@ -292,7 +295,7 @@ def decode_attention_variant(
     row_sums = mod.DEFAULT_ROW_SUMS if row_sums is None else row_sums
     if row_sums not in mod.ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r} must be one of {mod.ROW_SUMS} for {backend=}")
-    unit = pages_per_block if backend == "gpu" else 1
+    unit = 1 if backend == "tpu" else pages_per_block
     if num_splits is None:
         num_splits = lowbit_auto_splits(
             dims["b"], dims["hkv"], q_page_table.shape[1], pages_per_block

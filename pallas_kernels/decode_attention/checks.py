@@ -53,12 +53,14 @@ def _validate(
     bits,
 ) -> dict[str, int]:
     dims = _validate_fp(q, k_fp, v_fp, fp_page_table, fp_len)
-    b, d, hkv, page = dims["b"], dims["d"], dims["hkv"], dims["page"]
+    b, d, hkv = dims["b"], dims["d"], dims["hkv"]
     if bits not in layout.SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} must be one of {layout.SUPPORTED_BITS}")
     m = layout.packed_dim(d, bits)
-    if k_codes.ndim != 4 or k_codes.shape[1:] != (hkv, page, m):
-        raise ValueError(f"{k_codes.shape=} must be [P_q, Hkv={hkv}, page={page}, d//n={m}]")
+    # Low-bit pages may hold more tokens than full-precision ones (the Mosaic GPU body reads
+    # whole 64-token tiles); the Triton and TPU bodies need equal sizes (`_check_kernel_shapes`).
+    if k_codes.ndim != 4 or k_codes.shape[1] != hkv or k_codes.shape[3] != m:
+        raise ValueError(f"{k_codes.shape=} must be [P_q, Hkv={hkv}, page_q, d//n={m}]")
     if k_codes.dtype != jnp.uint8:
         raise ValueError(f"{k_codes.dtype=} must be uint8")
     if v_codes.shape != k_codes.shape or v_codes.dtype != jnp.uint8:
@@ -78,7 +80,7 @@ def _validate(
     for name, t in (("query_transform", query_transform), ("value_inverse", value_inverse)):
         if t is not None and t.shape != (hkv, d, d):
             raise ValueError(f"{name}.shape={t.shape} must be (Hkv={hkv}, d={d}, d={d})")
-    dims.update(m=m, num_groups=meta[3], group_size=d // meta[3])
+    dims.update(m=m, num_groups=meta[3], group_size=d // meta[3], page_q=k_codes.shape[2])
     return dims
 
 
@@ -99,7 +101,16 @@ def _check_kernel_shapes(
             raise ValueError(
                 f"group_size={dims['group_size']} must be a multiple of d//n={dims['m']}"
             )
-    if backend == "gpu":
+    if bits is not None and backend != "gpu_mosaic" and dims["page_q"] != dims["page"]:
+        raise ValueError(
+            f"low-bit page size {dims['page_q']} must equal the full-precision page size "
+            f"{dims['page']} for {backend=} (only backend='gpu_mosaic' reads larger ones)"
+        )
+    if bits is not None and backend == "gpu_mosaic" and dims["page_q"] % 64:
+        raise ValueError(
+            f"low-bit page size {dims['page_q']} must be a multiple of 64 for backend='gpu_mosaic'"
+        )
+    if backend in ("gpu", "gpu_mosaic"):
         for name in ("d", "page"):
             v = dims[name]
             if v & (v - 1) or v < 16:

@@ -26,7 +26,8 @@ LOG2E = math.log2(math.e)
 # Dtype of the low-bit dot operands. Codes (< 16) are exact in it and it keeps 3 more mantissa
 # bits of the query / probabilities than bfloat16; values are O(1) so the range is no concern.
 CODE_DOT_DTYPE = jnp.float16
-BACKENDS = ("gpu", "tpu")
+# "gpu": Pallas Triton body; "gpu_mosaic": Pallas Mosaic GPU (Hopper) low-bit body; "tpu".
+BACKENDS = ("gpu", "gpu_mosaic", "tpu")
 BF16_PAGES_PER_BLOCK = 8
 
 

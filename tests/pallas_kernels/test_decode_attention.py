@@ -37,6 +37,7 @@ class Case:
     transforms: bool = True
     num_splits: int | None = 2
     pages_per_block: int = 2
+    page_q: int | None = None  # low-bit page size (None: = page); q_lens multiples of 16
 
 
 def _pages_for(n: int, page: int) -> int:
@@ -51,8 +52,9 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
     gsz = d if c.group_size is None else c.group_size
     ng = d // gsz
     fp_need = [_pages_for(x, page) for x in c.fp_lens]
-    q_need = [x // page for x in c.q_lens]
-    assert all(x % page == 0 for x in c.q_lens)
+    pq_size = page if c.page_q is None else c.page_q
+    q_need = [_pages_for(x, pq_size) for x in c.q_lens]
+    assert all(x % 16 == 0 for x in c.q_lens)  # the cache flushes whole 16-token blocks
     max_fp = max(1, max(fp_need) + 1)  # one spare column so tables have unused entries
     max_q = max(1, max(q_need) + 1)
     p_fp = sum(fp_need) + 2  # two never-owned pages, poisoned
@@ -76,24 +78,25 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
     k_fp = np.where(unused, np.nan, k_fp).astype(np.float32)
     v_fp = np.where(unused, np.nan, v_fp).astype(np.float32)
 
-    k_codes = rng.integers(0, 256, (p_q, hkv, page, d // n), dtype=np.uint8)
-    v_codes = rng.integers(0, 256, (p_q, hkv, page, d // n), dtype=np.uint8)
+    pq_size = page if c.page_q is None else c.page_q
+    k_codes = rng.integers(0, 256, (p_q, hkv, pq_size, d // n), dtype=np.uint8)
+    v_codes = rng.integers(0, 256, (p_q, hkv, pq_size, d // n), dtype=np.uint8)
     hi = 2**c.bits - 1
-    meta = (p_q, hkv, page, ng)
+    meta = (p_q, hkv, pq_size, ng)
     k_scale = rng.uniform(0.2, 1.0, meta).astype(np.float16)
     v_scale = rng.uniform(0.2, 1.0, meta).astype(np.float16)
     k_zero = rng.uniform(0, hi, meta).astype(np.float16)
     v_zero = rng.uniform(0, hi, meta).astype(np.float16)
     q_table = np.full((c.batch, max_q), poison_q, np.int32)
-    used_q = np.zeros(p_q, bool)
+    used_q = np.zeros((p_q, pq_size), bool)  # token slots holding a cached key
     nxt = 0
-    for b, need in enumerate(q_need):
+    for b, (ln, need) in enumerate(zip(c.q_lens, q_need)):
         for j in range(need):
             q_table[b, j] = perm_q[nxt]
-            used_q[perm_q[nxt]] = True
+            used_q[perm_q[nxt], : min(pq_size, ln - j * pq_size)] = True
             nxt += 1
     for a in (k_scale, v_scale, k_zero, v_zero):
-        a[~used_q] = np.nan
+        a[~np.broadcast_to(used_q[:, None, :, None], a.shape)] = np.nan
 
     hq = hkv * c.group
     q = rng.standard_normal((c.batch, hq, d)).astype(np.float32)
@@ -330,6 +333,102 @@ class TestDecodeAttentionInterpret(TestDecodeAttention):
 class TestDecodeAttentionTpuInterpret(TestDecodeAttention):
     INTERPRET = True
     BACKEND = "tpu"
+
+
+# ------------------------------------------------------------------------------------------
+# Mosaic GPU (Hopper) low-bit body: GPU hardware only; CPU CI checks that it lowers
+# ------------------------------------------------------------------------------------------
+# The Mosaic body reads 64-token low-bit pages (whole TMA tiles); the fp pages stay at 16.
+MOSAIC_CASES = [
+    Case(
+        batch=2,
+        kv_heads=hkv,
+        group=g,
+        head_dim=d,
+        bits=bits,
+        page=16,
+        page_q=page_q,
+        num_splits=s,
+        pages_per_block=1,
+        fp_lens=(35, 16),
+        q_lens=(5 * 64 + 48, 64 + 16),  # ragged: partial last tiles
+    )
+    for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
+    for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2), (256, 4))
+    for page_q in (64, 128)
+    for s in (1, 3)
+    if not (page_q == 128 and s == 3 and hkv == 8)
+] + [
+    Case(
+        batch=3,
+        head_dim=128,
+        page_q=64,
+        group=4,
+        fp_lens=(0, 5, 0),
+        q_lens=(128, 0, 0),
+        pages_per_block=1,
+        num_splits=4,
+    ),  # empty splits; a sequence with no key at all
+    Case(
+        head_dim=128,
+        page_q=64,
+        group=4,
+        fp_dtype="bfloat16",
+        fp_lens=(70, 9),
+        q_lens=(1024, 256),
+        pages_per_block=1,
+        num_splits=None,
+    ),  # automatic splits
+]
+
+
+class TestDecodeAttentionMosaic:
+    """The Mosaic GPU body against the reference on the same codes (GPU hardware only)."""
+
+    def setup_method(self):
+        if not _has_gpu():
+            pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
+
+    @pytest.mark.parametrize("row_sums", ["deferred", "per_step"])
+    @pytest.mark.parametrize("case", MOSAIC_CASES, ids=str)
+    def test_matches_reference(self, case: Case, row_sums: str):
+        x = make_inputs(case, seed=2)
+        kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5)
+        ref = da.ref_decode_attention(**x, **kw)
+        out = da.decode_attention_variant(
+            **x, **kw, num_splits=case.num_splits, backend="gpu_mosaic", row_sums=row_sums
+        )
+        assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
+        live = [b for b in range(case.batch) if case.fp_lens[b] + case.q_lens[b] > 0]
+        for b in set(range(case.batch)) - set(live):
+            np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
+        err = _rel_err(out[jnp.asarray(live)], ref[jnp.asarray(live)])
+        assert err < TOL[case.fp_dtype], f"{case=} rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("case", [MOSAIC_CASES[1], MOSAIC_CASES[-1]], ids=str)
+def test_mosaic_kernel_lowers_for_cuda(case: Case):
+    """CPU CI cannot run Mosaic GPU kernels, but it can lower them for the cuda platform."""
+    x = make_inputs(case)
+
+    def f(x):
+        return da.decode_attention(**x, bits=case.bits, sm_scale=0.1, backend="gpu_mosaic")
+
+    lowered = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_mosaic_rejects_small_lowbit_pages():
+    x = make_inputs(Case(head_dim=128, page=16, q_lens=(64, 16)))
+    with pytest.raises(ValueError, match="multiple of 64 for backend='gpu_mosaic'"):
+        da.decode_attention(**x, bits=2, sm_scale=0.1, backend="gpu_mosaic")
+    with pytest.raises(ValueError, match="must equal the full-precision page size"):
+        da.decode_attention(
+            **make_inputs(Case(head_dim=128, page_q=64, q_lens=(64, 16))),
+            bits=2,
+            sm_scale=0.1,
+            interpret=True,
+        )
 
 
 # ------------------------------------------------------------------------------------------

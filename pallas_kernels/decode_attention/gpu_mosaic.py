@@ -1,0 +1,365 @@
+"""Pallas Mosaic GPU (Hopper) body of the paged low-bit decode attention: tokens as the M
+dimension of the warpgroup MMA.
+
+Grid ``(B, Hkv, S)``: one CTA (one warpgroup) per (sequence, KV head, split) walks its split's
+low-bit pages 64 tokens (``TILE`` rows) at a time:
+
+* **Keys on the tensor cores, codes as the register operand.** A ``[64, d/n]`` byte tile of
+  planar-packed key codes (`pallas_kernels.layout`) is loaded to registers once; plane ``i``
+  (a shift and a mask) is already a ``[64, d/n]`` array in the MMA's A layout, so
+  ``logits^T[64, N] = sum_i plane_i @ q_i^T`` is ``n`` warpgroup MMAs of K = d/n against the
+  matching column block of the transformed query (shared memory, group padded to N = 16).
+  Scales and zero points are applied per token row afterwards
+  (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5).
+* **Softmax over the token axis** (axis 0 of the accumulator: a cross-warp reduction), base 2,
+  the query carrying ``sm_scale * log2(e)``.
+* **Values** ``O^T[d, N] = V^T (p s)``: the unpacked value planes are written as float16 into a
+  ``[64, d]`` shared tile and read by the MMA transposed (A from shared memory), with
+  ``p * s_v`` as the B operand; the zero-point term ``sum_t p_t s_t z_t`` is a column sum.
+  Token-major value codes cannot be the register operand of this product (its contraction
+  runs over tokens); the dimension-major page layout that would allow it is future work.
+* **Pipeline**: each tile arrives by TMA (key and value codes and the four per-token metadata
+  rows: six copies) into a ``STAGES``-deep shared-memory ring, one mbarrier per slot; tile
+  ``i + STAGES - 1`` is requested before tile ``i`` is computed. Lane-level TMA copies move
+  multiples of 128 bytes, so a tile's float16 metadata row (64 x 2 bytes) must be contiguous:
+  low-bit pages hold a multiple of 64 tokens (`layout.PageLayout` with ``page_size=64``); a
+  16-token page's 32-byte rows cannot be copied this way.
+
+The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
+denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
+kernel combines them with the full-precision segment's partials. Supported: scale/zero groups
+of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 to 128 bytes
+(2 bits at d = 128/256, 4 bits at d = 64/128/256), low-bit pages of a multiple of 64 tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import layout
+from pallas_kernels.decode_attention import tiles as da
+
+TILE = 64  # tokens per step: the M of one warpgroup MMA
+GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
+STAGES = 3
+# Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
+# valid-token count) is padded to 32 int32 entries, sum(q) to 32 floats.
+_COPY_WORDS = 32
+
+
+def supports(*, head_dim: int, bits: int, group_size: int, group: int, page_size: int) -> bool:
+    """Whether this body handles a configuration (else the Triton body serves it)."""
+    width = head_dim // layout.codes_per_byte(bits)
+    return (
+        bits in (2, 4)
+        and group_size == head_dim
+        and group <= GROUP_PAD
+        and width in (32, 64, 128)
+        and page_size % TILE == 0
+        and head_dim % 64 == 0
+    )
+
+
+def _swizzled(rows_bytes: int, bits: int = 16):
+    """Tiling + swizzle transforms for a shared tile whose rows are ``rows_bytes`` long."""
+    swizzle = min(128, rows_bytes)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(
+    q_gmem,  # f16[B, Hkv, n, N, W] transformed query planes, times scale_log2
+    qsum_gmem,  # f32[B, Hkv, N] sum over channels of the float16 query
+    kc_gmem,  # u8[P, Hkv, page, W]
+    vc_gmem,  # u8[P, Hkv, page, W]
+    ks_gmem,  # f16[P, Hkv, page]
+    kz_gmem,
+    vs_gmem,
+    vz_gmem,
+    tab_gmem,  # i32[B, S, row]: pages of the split, then its valid-token count
+    acc_gmem,  # f32[B, Hkv, S, d, N]
+    m_gmem,  # f32[B, Hkv, S, N]
+    l_gmem,  # f32[B, Hkv, S, N]
+    q_smem,
+    qsum_smem,
+    tab_smem,
+    k_smem,
+    v_smem,
+    meta_smem,  # f16[4, STAGES, TILE]: k scale, k zero, v scale, v zero
+    v16_smem,
+    p_smem,
+    out_smem,
+    vec_smem,
+    bar_in,
+    bars,
+    *,
+    n: int,
+    bits: int,
+    page: int,
+    pages_per_split: int,
+    deferred: bool,
+):
+    bi = lax.axis_index("b")
+    h = lax.axis_index("h")
+    si = lax.axis_index("s")
+    width = q_smem.shape[-1]
+    d = n * width
+    tiles_per_page = page // TILE
+    plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, h], qsum_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
+
+    plgpu.barrier_wait(bar_in.at[0])
+    count = tab_smem[pages_per_split]
+    n_steps = (count + TILE - 1) // TILE
+
+    def issue(step, slot):
+        pg = tab_smem[step // tiles_per_page]
+        rows = pl.ds(lax.rem(step, tiles_per_page) * TILE, TILE)
+        bar = bars.at[slot]
+        plgpu.copy_gmem_to_smem(kc_gmem.at[pg, h, rows], k_smem.at[slot], bar)
+        plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
+        for r, src in enumerate((ks_gmem, kz_gmem, vs_gmem, vz_gmem)):
+            plgpu.copy_gmem_to_smem(src.at[pg, h, rows], meta_smem.at[r, slot], bar)
+
+    for st in range(STAGES - 1):
+        pl.when(st < n_steps)(functools.partial(issue, st, st))
+
+    mask = jnp.int16((1 << bits) - 1)
+    row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
+    col = plgpu.Layout.WGMMA.reduce(0)  # a value per query column
+    qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
+    shape = (TILE, GROUP_PAD)
+
+    def planes(tile_ref):
+        w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
+        return [
+            (lax.shift_right_logical(w, jnp.int16(i * bits)) & mask).astype(jnp.float16)
+            for i in range(n)
+        ]
+
+    def meta(r, slot):
+        return plgpu.load(meta_smem.at[r, slot], (), layout=row).astype(jnp.float32)
+
+    def step(i, carry):
+        acc, m_i, l_i, zc = carry
+        slot = lax.rem(i, STAGES)
+        nxt = i + STAGES - 1
+
+        @pl.when(nxt < n_steps)
+        def _next():
+            issue(nxt, lax.rem(nxt, STAGES))
+
+        plgpu.barrier_wait(bars.at[slot])
+
+        def keys(acc_ref):
+            for p, plane in enumerate(planes(k_smem.at[slot])):
+                plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+
+        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
+        ks, kz = meta(0, slot), meta(1, slot)
+        bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
+        bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
+        logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
+        tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * TILE
+        valid = tok < count
+        logits = jnp.where(valid, logits, da.NEG_INF)
+        m_new = jnp.maximum(m_i, logits.max(axis=0))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(logits - bcast_col(m_new))
+        vs, vz = meta(2, slot), meta(3, slot)
+        pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
+        pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
+        if deferred:  # [TILE, N] tiles, reduced over tokens once after the loop
+            l_i = l_i * bcast_col(alpha) + p
+            zc = zc * bcast_col(alpha) + pvz
+        else:
+            l_i = l_i * alpha + p.sum(axis=0)
+            zc = zc * alpha + pvz.sum(axis=0)
+        for c, plane in enumerate(planes(v_smem.at[slot])):
+            v16_smem.at[:, pl.ds(c * width, width)][...] = plane
+        p_smem[...] = pv.astype(jnp.float16)
+        plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
+        acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
+
+        def values(acc_ref):
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
+            plgpu.wgmma_wait(0)
+
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        return acc, m_new, l_i, zc
+
+    wgmma_layout = plgpu.Layout.WGMMA
+    sums_shape, sums_layout = (shape, wgmma_layout) if deferred else ((GROUP_PAD,), col)
+    carry = (
+        plgpu.layout_cast(jnp.zeros((d, GROUP_PAD), jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.full((GROUP_PAD,), da.NEG_INF, jnp.float32), col),
+        plgpu.layout_cast(jnp.zeros(sums_shape, jnp.float32), sums_layout),
+        plgpu.layout_cast(jnp.zeros(sums_shape, jnp.float32), sums_layout),
+    )
+    acc, m_i, l_i, zc = lax.fori_loop(0, n_steps, step, carry)
+    if deferred:
+        l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
+    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, GROUP_PAD), [1])
+    vec_smem.at[0][...] = m_i
+    vec_smem.at[1][...] = l_i
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, si])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def lowbit_partials(
+    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries (any Gp <= GROUP_PAD)
+    lowbit_set: tuple,  # (kc, vc, ks, kz, vs, vz, table i32[B, S, pps], len i32[B])
+    *,
+    bits: int,
+    scale_log2: float,
+    group: int,
+    deferred: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
+
+    ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
+    and denominator, as the Triton body returns them.
+    """
+    kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
+    b, hkv, gp, d = qg.shape
+    n = layout.codes_per_byte(bits)
+    width = d // n
+    page = kc.shape[2]
+    s, pps = tab.shape[1], tab.shape[2]
+    if not supports(
+        head_dim=d, bits=bits, group_size=d // ks.shape[-1], group=group, page_size=page
+    ):
+        raise ValueError(f"unsupported by the Mosaic GPU body: {d=} {bits=} {page=} {group=}")
+    # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
+    qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
+    q_planes = qs.reshape(b, hkv, GROUP_PAD, n, width).transpose(0, 1, 3, 2, 4)
+    qsum = jnp.sum(qs.astype(jnp.float32), axis=-1)  # [B, Hkv, N]
+    qsum = jnp.pad(qsum, ((0, 0), (0, 0), (0, _COPY_WORDS - GROUP_PAD)))
+    # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
+    start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
+    count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
+    row = -(-(pps + 1) // _COPY_WORDS) * _COPY_WORDS
+    tab_ext = jnp.zeros((b, s, row), jnp.int32).at[:, :, :pps].set(tab).at[:, :, pps].set(count)
+    metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
+    if any(a.dtype != jnp.float16 for a in metas):
+        metas = [a.astype(jnp.float16) for a in metas]
+
+    kernel = functools.partial(
+        _kernel, n=n, bits=bits, page=page, pages_per_split=pps, deferred=deferred
+    )
+    acc, m, l = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((b, hkv, s, d, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
+        ),
+        grid=(b, hkv, s),
+        grid_names=("b", "h", "s"),
+        scratch_types=dict(
+            q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
+            qsum_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
+            tab_smem=plgpu.SMEM((row,), jnp.int32),
+            k_smem=plgpu.SMEM((STAGES, TILE, width), jnp.uint8, transforms=_swizzled(width, 8)),
+            v_smem=plgpu.SMEM((STAGES, TILE, width), jnp.uint8, transforms=_swizzled(width, 8)),
+            meta_smem=plgpu.SMEM((4, STAGES, TILE), jnp.float16),
+            v16_smem=plgpu.SMEM((TILE, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+            p_smem=plgpu.SMEM((TILE, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+            out_smem=plgpu.SMEM((d, GROUP_PAD), jnp.float32),
+            vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
+            bar_in=plgpu.Barrier(num_arrivals=3, num_barriers=1),
+            bars=plgpu.Barrier(num_arrivals=6, num_barriers=STAGES),
+        ),
+    )(q_planes, qsum, kc, vc, *metas, tab_ext)
+    acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
+    return acc, m[..., :group], l[..., :group]
+
+
+# ------------------------------------------------------------------------------------------
+# Backend-module interface (as `gpu_triton`): the full-precision sink/recent pages are served
+# by the Triton body's full-precision kernel (one split: a few hundred tokens), the low-bit
+# pages by the kernel above, and the Triton merge kernel combines both sets of partials.
+# ------------------------------------------------------------------------------------------
+MIN_GROUP_PAD = GROUP_PAD
+HOISTS_TRANSFORMS = True
+HAS_MERGE_KERNEL = True
+GATHER_MODES = ("tma",)
+INT_TO_FLOAT = ("convert",)
+ROW_SUMS = ("deferred", "per_step")
+DEFAULT_GATHER = "tma"
+DEFAULT_INT_TO_FLOAT = "convert"
+DEFAULT_ROW_SUMS = "deferred"
+DEFAULT_PAGES_PER_BLOCK = 1  # split-table unit: a low-bit page is one or more whole tiles
+
+
+def paged_decode(
+    cfg: da.DecodeConfig,
+    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed frame
+    query_transform: jax.Array | None,
+    value_inverse: jax.Array | None,
+    fp_set: tuple,  # (k_fp, v_fp [P, Hkv, page, d], table i32[B, S, pps], len i32[B])
+    lowbit_set: tuple,  # (kc, vc, ks, kz, vs, vz, table i32[B, S, pps], len i32[B])
+    *,
+    interpret: bool,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split partials of both page sets, ``(acc f32[B,Hkv,S+1,g,d], m, l f32[B,Hkv,S+1,g])``."""
+    import dataclasses
+
+    from pallas_kernels.decode_attention import gpu_triton
+
+    if query_transform is not None or value_inverse is not None:
+        raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
+    if interpret:
+        raise ValueError("the Mosaic GPU body has no interpret mode; use backend='gpu'")
+    k_fp, v_fp, fp_tab, fp_len = fp_set
+    b = fp_tab.shape[0]
+    fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
+    fp_one_split = (k_fp, v_fp, fp_tab.reshape(b, 1, -1), fp_len)
+    acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
+        fp_cfg,
+        qg,
+        None,
+        None,
+        fp_one_split,
+        None,
+        interpret=False,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    group = cfg.group if cfg.group is not None else qg.shape[2]
+    acc_q, m_q, l_q = lowbit_partials(
+        qg,
+        lowbit_set,
+        bits=cfg.bits,
+        scale_log2=cfg.scale_log2,
+        group=group,
+        deferred=cfg.row_sums == "deferred",
+    )
+    cat = functools.partial(jnp.concatenate, axis=2)
+    return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])
+
+
+def head_matmul(x, mat, *, interpret: bool):
+    from pallas_kernels.decode_attention import gpu_triton
+
+    return gpu_triton.head_matmul(x, mat, interpret=interpret)
+
+
+def merge_splits(acc, m, l, value_inverse, *, interpret: bool):
+    from pallas_kernels.decode_attention import gpu_triton
+
+    return gpu_triton.merge_splits(acc, m, l, value_inverse, interpret=interpret)
