@@ -160,13 +160,73 @@ def _time_unrolled(
     return statistics.median(times)
 
 
-def read_bandwidth_ceiling(nbytes: int = 4 << 30) -> float:
-    """Bytes/s of a large sum over device memory (reads dominate; the output is one scalar)."""
+def read_bandwidth_ceiling(nbytes: int = 4 << 30) -> dict[str, float]:
+    """Bytes/s of large reductions over device memory (reads dominate; the output is one
+    scalar): XLA's, and torch's where torch sees a GPU. The ceiling is the faster of the two
+    (run 20: torch SDPA read faster than the XLA sum alone)."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16) * jnp.bfloat16(1.5)
     f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     cfg = BenchConfig(repeats=7, calls_per_repeat=10)
-    t = _time_jax(lambda: f(x), cfg)
-    return nbytes / t
+    out = {"xla_sum": nbytes / _time_jax(lambda: f(x), cfg)}
+    x = None  # free the buffer before torch allocates its own
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            t = torch.full((nbytes // 2,), 1.5, device="cuda", dtype=torch.bfloat16)
+            times = []
+            for _ in range(10):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(5):
+                    t.sum(dtype=torch.float32)
+                e1.record()
+                torch.cuda.synchronize()
+                times.append(e0.elapsed_time(e1) / 1e3 / 5)
+            out["torch_sum"] = nbytes / statistics.median(times[2:])
+            del t
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    out["ceiling"] = max(out.values())
+    return out
+
+
+def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
+    """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
+    segment or merge), computing everything, keys only (no value product), or nothing but
+    the TMA ring (loads only); 2 bits, 64- and 128-token low-bit pages."""
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    key = jax.random.key(batch * 31 + ctx)
+    nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
+    group = cfg.q_heads // cfg.kv_heads
+    for page_q in (64, 128):
+        caches = []
+        for r in range(copies_for(nbytes)):
+            x = _make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.fold_in(key, r), page_q)
+            splits = da.lowbit_auto_splits(batch, cfg.kv_heads, x["q_page_table"].shape[1], 1)
+            tab = da_api._split_table(x["q_page_table"], splits, 1)
+            names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+            caches.append(dict(ls=tuple(x[k] for k in names) + (tab, x["q_len"])))
+        qs = [
+            jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
+            for i in range(len(caches))
+        ]
+        for stage in gm.STAGES_KINDS:
+
+            def call(c, qg, stage=stage):
+                return gm.lowbit_partials(
+                    qg, c["ls"], bits=2, scale_log2=0.1, group=group, stage=stage
+                )
+
+            record(
+                f"int2_mosaic_split_kernel_{stage}_page{page_q}",
+                lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
+                nbytes,
+                lowbit_tokens=n_q,
+            )
+        caches = None
 
 
 def _bytes_lowbit(cfg: BenchConfig, batch: int, ctx: int, bits: int) -> tuple[int, int, int]:
@@ -239,15 +299,20 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # The Mosaic GPU body (tokens as the MMA's M) reads 64-token low-bit pages.
     "int2_mosaic": (2, dict(backend="gpu_mosaic", pages_per_block=1), dict(lowbit_page_size=64)),
     "int4_mosaic": (4, dict(backend="gpu_mosaic", pages_per_block=1), dict(lowbit_page_size=64)),
-    "int2_mosaic_per_step": (
-        2,
-        dict(backend="gpu_mosaic", pages_per_block=1, row_sums="per_step"),
-        dict(lowbit_page_size=64),
-    ),
     "int2_mosaic_page128": (
         2,
         dict(backend="gpu_mosaic", pages_per_block=1),
         dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_splits_x2": (
+        2,
+        dict(backend="gpu_mosaic", pages_per_block=1, splits_factor=2),
+        dict(lowbit_page_size=64),
+    ),
+    "int2_mosaic_splits_half": (
+        2,
+        dict(backend="gpu_mosaic", pages_per_block=1, splits_factor=0.5),
+        dict(lowbit_page_size=64),
     ),
     # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float` / `row_sums`); the GPU
     # default is rows + asm + deferred since run 11 (prefetch + asm in runs 8-10, pages +
@@ -385,6 +450,8 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
     lowbit = [v for v in cfg.variants if v in LOWBIT_VARIANTS]
     for name in lowbit + [v for v in cfg.lowbit_variants if v not in lowbit]:
         _lowbit_row(cfg, batch, ctx, name, key, record)
+    if "mosaic_stages" in cfg.variants:
+        mosaic_stage_rows(cfg, batch, ctx, record)
 
     need_dense = {"bf16_pallas", "xla_dense_bf16", "cudnn_bf16"} & set(cfg.variants)
     if need_dense:
@@ -637,7 +704,8 @@ def markdown_table(result: dict) -> str:
         f"`{result.get('command', '')}` at commit {result.get('commit', '?')}, "
         f"{result.get('date', '')}, {result.get('device', '')}, jax {result.get('jax_version')}",
         "",
-        f"read-bandwidth ceiling (bf16 sum over 4 GiB): {result['read_ceiling_GBps']:.0f} GB/s",
+        "read-bandwidth ceiling (the faster of XLA's and torch's bf16 sum over 4 GiB): "
+        f"{result['read_ceiling_GBps']:.0f} GB/s",
         "",
         "| batch | context | variant | time (ms) | bytes read (MB) | GB/s | of ceiling |",
         "|---:|---:|---|---:|---:|---:|---:|",
@@ -711,8 +779,9 @@ def markdown_table(result: dict) -> str:
 def main(cfg: BenchConfig) -> dict:
     """Runs the benchmark grid and writes JSON + markdown; returns the result dict."""
     dev = jax.devices()[0]
-    ceiling = read_bandwidth_ceiling()
-    print(f"device={dev.device_kind} read ceiling {ceiling / 1e9:.0f} GB/s", flush=True)
+    ceilings = read_bandwidth_ceiling()
+    ceiling = ceilings["ceiling"]
+    print(f"device={dev.device_kind} read ceilings {ceilings}", flush=True)
     if cfg.tune:
         out = Path(cfg.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -743,6 +812,7 @@ def main(cfg: BenchConfig) -> dict:
         device=dev.device_kind,
         config=dataclasses.asdict(cfg),
         read_ceiling_GBps=ceiling / 1e9,
+        read_ceilings_GBps={k: v / 1e9 for k, v in ceilings.items()},
         rows=rows,
         speedups=_speedups(rows),
         quantize_pack=qp,

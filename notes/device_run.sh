@@ -28,7 +28,10 @@ for mod in xdist:pytest-xdist execnet:execnet hypothesis:hypothesis sortedcontai
 done
 if [[ $steps == *mosaic* ]]; then
   # The Mosaic GPU body against the reference (its own sweep; no interpret twin exists).
-  timeout ${MOSAIC_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --maxfail=${MOSAIC_MAXFAIL:-1000} -rf \
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n ${MOSAIC_WORKERS:-8}"
+  # shellcheck disable=SC2086
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MOSAIC_TIMEOUT:-240} python3 -m pytest -q \
+    -p no:cacheprovider $par --maxfail=${MOSAIC_MAXFAIL:-1000} -rf \
     tests/pallas_kernels/test_decode_attention.py -k "${MOSAIC_K:-TestDecodeAttentionMosaic}" \
     > "$out/mosaic_tests.log" 2>&1
   echo "mosaic tests rc=$?" >> "$out/gpu.txt"

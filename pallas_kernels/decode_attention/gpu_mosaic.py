@@ -28,8 +28,10 @@ low-bit pages 64 tokens (``TILE`` rows) at a time:
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
 denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
 kernel combines them with the full-precision segment's partials. Supported: scale/zero groups
-of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 to 128 bytes
-(2 bits at d = 128/256, 4 bits at d = 64/128/256), low-bit pages of a multiple of 64 tokens.
+of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 or 64 bytes
+(2 bits at d = 128/256, 4 bits at d = 64/128; 128-byte rows, 4 bits at d = 256, gave wrong
+results in run 20), low-bit pages of a multiple of 64 tokens (steps of 128 tokens when pages
+hold 128).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import layout
 from pallas_kernels.decode_attention import tiles as da
 
-TILE = 64  # tokens per step: the M of one warpgroup MMA
+TILE = 64  # tokens per step at least: the M of one warpgroup MMA
+MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA)
+STAGES_KINDS = ("full", "keys", "loads")  # attribution: what a step computes
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
@@ -60,7 +64,7 @@ def supports(*, head_dim: int, bits: int, group_size: int, group: int, page_size
         bits in (2, 4)
         and group_size == head_dim
         and group <= GROUP_PAD
-        and width in (32, 64, 128)
+        and width in (32, 64)
         and page_size % TILE == 0
         and head_dim % 64 == 0
     )
@@ -90,7 +94,7 @@ def _kernel(
     tab_smem,
     k_smem,
     v_smem,
-    meta_smem,  # f16[4, STAGES, TILE]: k scale, k zero, v scale, v zero
+    meta_smem,  # f16[4, STAGES, tile]: k scale, k zero, v scale, v zero
     v16_smem,
     p_smem,
     out_smem,
@@ -102,25 +106,26 @@ def _kernel(
     bits: int,
     page: int,
     pages_per_split: int,
-    deferred: bool,
+    tile: int,
+    stage: str,
 ):
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
     si = lax.axis_index("s")
     width = q_smem.shape[-1]
     d = n * width
-    tiles_per_page = page // TILE
+    tiles_per_page = page // tile
     plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, h], qsum_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
     count = tab_smem[pages_per_split]
-    n_steps = (count + TILE - 1) // TILE
+    n_steps = (count + tile - 1) // tile
 
     def issue(step, slot):
         pg = tab_smem[step // tiles_per_page]
-        rows = pl.ds(lax.rem(step, tiles_per_page) * TILE, TILE)
+        rows = pl.ds(lax.rem(step, tiles_per_page) * tile, tile)
         bar = bars.at[slot]
         plgpu.copy_gmem_to_smem(kc_gmem.at[pg, h, rows], k_smem.at[slot], bar)
         plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
@@ -134,7 +139,7 @@ def _kernel(
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # a value per query column
     qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
-    shape = (TILE, GROUP_PAD)
+    shape = (tile, GROUP_PAD)
 
     def planes(tile_ref):
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
@@ -156,6 +161,8 @@ def _kernel(
             issue(nxt, lax.rem(nxt, STAGES))
 
         plgpu.barrier_wait(bars.at[slot])
+        if stage == "loads":  # the TMA ring alone: what the copies cost
+            return carry
 
         def keys(acc_ref):
             for p, plane in enumerate(planes(k_smem.at[slot])):
@@ -168,7 +175,7 @@ def _kernel(
         bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
         bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
         logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
-        tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * TILE
+        tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
         valid = tok < count
         logits = jnp.where(valid, logits, da.NEG_INF)
         m_new = jnp.maximum(m_i, logits.max(axis=0))
@@ -177,12 +184,12 @@ def _kernel(
         vs, vz = meta(2, slot), meta(3, slot)
         pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
         pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
-        if deferred:  # [TILE, N] tiles, reduced over tokens once after the loop
-            l_i = l_i * bcast_col(alpha) + p
-            zc = zc * bcast_col(alpha) + pvz
-        else:
-            l_i = l_i * alpha + p.sum(axis=0)
-            zc = zc * alpha + pvz.sum(axis=0)
+        # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
+        # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
+        l_i = l_i * bcast_col(alpha) + p
+        zc = zc * bcast_col(alpha) + pvz
+        if stage == "keys":  # no value product
+            return acc, m_new, l_i, zc
         for c, plane in enumerate(planes(v_smem.at[slot])):
             v16_smem.at[:, pl.ds(c * width, width)][...] = plane
         p_smem[...] = pv.astype(jnp.float16)
@@ -197,16 +204,14 @@ def _kernel(
         return acc, m_new, l_i, zc
 
     wgmma_layout = plgpu.Layout.WGMMA
-    sums_shape, sums_layout = (shape, wgmma_layout) if deferred else ((GROUP_PAD,), col)
     carry = (
         plgpu.layout_cast(jnp.zeros((d, GROUP_PAD), jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.full((GROUP_PAD,), da.NEG_INF, jnp.float32), col),
-        plgpu.layout_cast(jnp.zeros(sums_shape, jnp.float32), sums_layout),
-        plgpu.layout_cast(jnp.zeros(sums_shape, jnp.float32), sums_layout),
+        plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
     )
     acc, m_i, l_i, zc = lax.fori_loop(0, n_steps, step, carry)
-    if deferred:
-        l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
+    l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, GROUP_PAD), [1])
     vec_smem.at[0][...] = m_i
     vec_smem.at[1][...] = l_i
@@ -224,7 +229,7 @@ def lowbit_partials(
     bits: int,
     scale_log2: float,
     group: int,
-    deferred: bool = True,
+    stage: str = "full",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
@@ -256,8 +261,17 @@ def lowbit_partials(
     if any(a.dtype != jnp.float16 for a in metas):
         metas = [a.astype(jnp.float16) for a in metas]
 
+    if stage not in STAGES_KINDS:
+        raise ValueError(f"stage={stage!r} must be one of {STAGES_KINDS}")
+    tile = MAX_TILE if page % MAX_TILE == 0 else TILE
     kernel = functools.partial(
-        _kernel, n=n, bits=bits, page=page, pages_per_split=pps, deferred=deferred
+        _kernel,
+        n=n,
+        bits=bits,
+        page=page,
+        pages_per_split=pps,
+        tile=tile,
+        stage=stage,
     )
     acc, m, l = plgpu.kernel(
         kernel,
@@ -272,11 +286,11 @@ def lowbit_partials(
             q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
             qsum_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
             tab_smem=plgpu.SMEM((row,), jnp.int32),
-            k_smem=plgpu.SMEM((STAGES, TILE, width), jnp.uint8, transforms=_swizzled(width, 8)),
-            v_smem=plgpu.SMEM((STAGES, TILE, width), jnp.uint8, transforms=_swizzled(width, 8)),
-            meta_smem=plgpu.SMEM((4, STAGES, TILE), jnp.float16),
-            v16_smem=plgpu.SMEM((TILE, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
-            p_smem=plgpu.SMEM((TILE, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+            k_smem=plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
+            v_smem=plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
+            meta_smem=plgpu.SMEM((4, STAGES, tile), jnp.float16),
+            v16_smem=plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+            p_smem=plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
             out_smem=plgpu.SMEM((d, GROUP_PAD), jnp.float32),
             vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
             bar_in=plgpu.Barrier(num_arrivals=3, num_barriers=1),
@@ -297,7 +311,7 @@ HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = ("tma",)
 INT_TO_FLOAT = ("convert",)
-ROW_SUMS = ("deferred", "per_step")
+ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "tma"
 DEFAULT_INT_TO_FLOAT = "convert"
 DEFAULT_ROW_SUMS = "deferred"
@@ -347,7 +361,6 @@ def paged_decode(
         bits=cfg.bits,
         scale_log2=cfg.scale_log2,
         group=group,
-        deferred=cfg.row_sums == "deferred",
     )
     cat = functools.partial(jnp.concatenate, axis=2)
     return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])
