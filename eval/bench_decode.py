@@ -248,9 +248,16 @@ def _pages(n_tokens: int, page: int) -> int:
 
 
 def _make_lowbit_inputs(
-    cfg: BenchConfig, batch: int, ctx: int, bits: int, key, page_q: int | None = None
+    cfg: BenchConfig,
+    batch: int,
+    ctx: int,
+    bits: int,
+    key,
+    page_q: int | None = None,
+    value_layout: str = "tokens",
 ) -> dict:
-    """Random pools of one layer; low-bit pages hold ``page_q`` tokens (default: page_size)."""
+    """Random pools of one layer; low-bit pages hold ``page_q`` tokens (default: page_size),
+    value codes in ``value_layout`` (`pallas_kernels.layout.VALUE_LAYOUTS`)."""
     d, hkv, page = cfg.head_dim, cfg.kv_heads, cfg.page_size
     n = layout.codes_per_byte(bits)
     n_fp, n_q = _split_context(cfg, ctx)
@@ -260,6 +267,7 @@ def _make_lowbit_inputs(
     f16 = jnp.float16
     q_pages = batch * pq
     codes_shape = (q_pages, hkv, page_q, d // n)
+    v_shape = codes_shape if value_layout == "tokens" else (q_pages, hkv, d, page_q // n)
     meta = (q_pages, hkv, page_q, 1)
     return dict(
         q=jax.random.normal(ks[0], (batch, cfg.q_heads, d), jnp.bfloat16),
@@ -268,7 +276,7 @@ def _make_lowbit_inputs(
         fp_page_table=jnp.arange(batch * pf, dtype=jnp.int32).reshape(batch, pf),
         fp_len=jnp.full((batch,), n_fp, jnp.int32),
         k_codes=jax.random.randint(ks[3], codes_shape, 0, 256, jnp.int32).astype(jnp.uint8),
-        v_codes=jax.random.randint(ks[4], codes_shape, 0, 256, jnp.int32).astype(jnp.uint8),
+        v_codes=jax.random.randint(ks[4], v_shape, 0, 256, jnp.int32).astype(jnp.uint8),
         k_scale=jax.random.uniform(ks[5], meta, f16, 0.01, 0.1),
         k_zero=jax.random.uniform(ks[6], meta, f16, 0.0, 2.0**bits - 1),
         v_scale=jax.random.uniform(ks[7], meta, f16, 0.01, 0.1),
@@ -302,6 +310,18 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_page128": (
         2,
         dict(backend="gpu_mosaic", pages_per_block=1),
+        dict(lowbit_page_size=128),
+    ),
+    # Value codes packed along tokens (layout.VALUE_LAYOUTS "dims"), 128-token pages: the
+    # value product takes them as the register operand (no float16 shared tile).
+    "int2_mosaic_vdims": (
+        2,
+        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
+        dict(lowbit_page_size=128),
+    ),
+    "int4_mosaic_vdims": (
+        4,
+        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
         dict(lowbit_page_size=128),
     ),
     "int2_mosaic_splits_x2": (
@@ -390,9 +410,10 @@ def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) 
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
     override = dict(override)
     page_q = override.pop("lowbit_page_size", None)
+    vl = kw.get("value_layout", "tokens")
     caches = []
     for r in range(copies_for(nbytes)):
-        x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r), page_q)
+        x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r), page_q, vl)
         x.pop("q")
         caches.append(with_overrides(x, override, batch))
     qs = _queries(cfg, batch, key, len(caches))

@@ -11,7 +11,9 @@ BATCHxCONTEXT (default 8x16384). The call is compiled and run once before the pr
 a profile of the last launches (``--launch-skip`` or the listing's tail) shows steady state.
 `notes/device_run.sh` steps ``ncu`` and ``kernels`` use it. Dumping the kernel's PTX through XLA
 was tried in run 7: ``--xla_dump_to`` writes no PTX for Pallas Triton kernels on this stack;
-`notes/kernel_sass.py` compiles the kernel for sm_90 on a CPU machine instead.
+`notes/kernel_sass.py` compiles the kernel for sm_90 on a CPU machine instead. For the
+Mosaic GPU body, ``MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR``
+writes ptxas' resource report and the SASS of every kernel compiled.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ def run_once(name: str, batch: int, ctx: int) -> None:
 
     cfg = bd.BenchConfig()
     bits, kw, override = bd.lowbit_variant(cfg, batch, ctx, name)
-    x = bd._make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.key(0))
+    override = dict(override)
+    page_q = override.pop("lowbit_page_size", None)
+    vl = kw.get("value_layout", "tokens")
+    x = bd._make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.key(0), page_q, vl)
     x = bd.with_overrides(x, override, batch)
     sm = cfg.head_dim**-0.5
     for _ in range(2):  # compile + warm, then the call a profile reads last

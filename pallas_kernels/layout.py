@@ -28,6 +28,15 @@ sequence)::
     full-prec.:   fp_dtype[num_pages, kv_heads, page_size, head_dim]
 
 All cached vectors are stored in the transformed frame (``x @ A``).
+
+Value pages, dimension-major (``value_layout="dims"``)
+-----------------------------------------------------
+A value page may instead store its codes packed along *tokens*: ``u8[num_pages, kv_heads,
+head_dim, page_size // n]``, byte ``j`` of dimension row ``r`` holding the codes of tokens
+``j + i * (page_size // n)`` (planar, as above, but over the page's tokens). Each plane of a
+page is then a ``[head_dim, page_size // n]`` tile whose contraction axis is tokens, which is
+what the value product ``O^T = V^T p`` needs as the register operand of a tensor-core MMA
+(the Mosaic GPU decode body). Scales and zeros keep their per-token layout.
 """
 
 from __future__ import annotations
@@ -201,6 +210,28 @@ def unpack_codes(
         raise ValueError(f"{packed.shape=} does not match d={d}, bits={bits}: expected last={m}")
     planes = unpack_planes(packed.astype(jnp.uint8), bits)
     return jnp.concatenate(planes, axis=-1)
+
+
+VALUE_LAYOUTS: tuple[str, ...] = ("tokens", "dims")
+
+
+def pack_value_page_dims_major(
+    codes: jax.Array,  # u8[..., page, d], each value in [0, 2**bits)
+    bits: int,
+) -> jax.Array:  # u8[..., d, page // n]
+    """Packs a value page dimension-major (see the module docstring), 2 or 4 bits."""
+    if not is_packed(bits):
+        raise ValueError(f"bits={bits} has no packed dimension-major layout")
+    return pack_codes(jnp.swapaxes(codes, -1, -2), bits)
+
+
+def unpack_value_page_dims_major(
+    packed: jax.Array,  # u8[..., d, page // n]
+    bits: int,
+    page_size: int,
+) -> jax.Array:  # u8[..., page, d]
+    """Inverse of `pack_value_page_dims_major`."""
+    return jnp.swapaxes(unpack_codes(packed, bits, page_size), -1, -2)
 
 
 @dataclasses.dataclass(frozen=True)

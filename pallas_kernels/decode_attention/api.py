@@ -133,6 +133,7 @@ def _backend_module(backend: str):
 # ------------------------------------------------------------------------------------------
 _LOWBIT_STATIC = (
     "bits",
+    "value_layout",
     "sm_scale",
     "num_splits",
     "pages_per_block",
@@ -163,6 +164,7 @@ def decode_attention(
     *,
     bits: int,
     sm_scale: float,
+    value_layout: str = "tokens",
     num_splits: int | None = None,
     pages_per_block: int | None = None,
     backend: str = "gpu",
@@ -182,6 +184,9 @@ def decode_attention(
       q, k_fp, ..., value_inverse: see the shape comments; unused table entries may point at
         any valid page, and unused pages may hold NaN.
       bits: 2 or 4 (packed planar codes, `pallas_kernels.layout`).
+      value_layout: ``"tokens"`` (value codes ``[P_q, Hkv, page, d // n]`` like keys) or
+        ``"dims"`` (``[P_q, Hkv, d, page // n]``, packed along tokens; backend
+        ``"gpu_mosaic"`` with 128-token low-bit pages), see `pallas_kernels.layout`.
       sm_scale: softmax scale applied to the logits.
       num_splits: sequence splits (flash decoding); ``None`` picks enough to fill the GPU.
       pages_per_block: pages gathered per inner step (GPU; the TPU body takes one page/step);
@@ -212,6 +217,7 @@ def decode_attention(
         value_inverse,
         bits=bits,
         sm_scale=sm_scale,
+        value_layout=value_layout,
         num_splits=num_splits,
         pages_per_block=pages_per_block,
         backend=backend,
@@ -241,6 +247,7 @@ def decode_attention_variant(
     *,
     bits: int,
     sm_scale: float,
+    value_layout: str = "tokens",
     num_splits: int | None = None,
     pages_per_block: int | None = None,
     backend: str = "gpu",
@@ -277,13 +284,14 @@ def decode_attention_variant(
         query_transform,
         value_inverse,
         bits=bits,
+        value_layout=value_layout,
     )
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
     mod = _backend_module(backend)
     if pages_per_block is None:
         pages_per_block = mod.DEFAULT_PAGES_PER_BLOCK
-    _check_kernel_shapes(dims, bits, pages_per_block, backend)
+    _check_kernel_shapes(dims, bits, pages_per_block, backend, value_layout)
     gather = mod.DEFAULT_GATHER if gather is None else gather
     int_to_float = mod.DEFAULT_INT_TO_FLOAT if int_to_float is None else int_to_float
     if gather not in mod.GATHER_MODES:
@@ -319,6 +327,7 @@ def decode_attention_variant(
         int_to_float=int_to_float,
         row_sums=row_sums,
         group=g,
+        value_layout=value_layout,
     )
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)
@@ -385,6 +394,8 @@ def decode_attention_bf16(
     if pages_per_block is None:
         pages_per_block = BF16_PAGES_PER_BLOCK
     dims = _validate_fp(q, k_pages, v_pages, page_table, lengths)
+    if backend == "gpu_mosaic":
+        raise ValueError("backend='gpu_mosaic' has no BF16 kernel; use backend='gpu'")
     _check_kernel_shapes(dims, None, pages_per_block, backend)
     mod = _backend_module(backend)
     unit = pages_per_block if backend == "gpu" else 1

@@ -51,6 +51,7 @@ def _validate(
     value_inverse,
     *,
     bits,
+    value_layout="tokens",
 ) -> dict[str, int]:
     dims = _validate_fp(q, k_fp, v_fp, fp_page_table, fp_len)
     b, d, hkv = dims["b"], dims["d"], dims["hkv"]
@@ -63,8 +64,20 @@ def _validate(
         raise ValueError(f"{k_codes.shape=} must be [P_q, Hkv={hkv}, page_q, d//n={m}]")
     if k_codes.dtype != jnp.uint8:
         raise ValueError(f"{k_codes.dtype=} must be uint8")
-    if v_codes.shape != k_codes.shape or v_codes.dtype != jnp.uint8:
-        raise ValueError(f"{v_codes.shape=} {v_codes.dtype=} must match {k_codes.shape=}")
+    if value_layout not in layout.VALUE_LAYOUTS:
+        raise ValueError(f"value_layout={value_layout!r} must be one of {layout.VALUE_LAYOUTS}")
+    p_q, _, page_q, _ = k_codes.shape
+    if value_layout == "tokens":
+        v_want = k_codes.shape
+    else:
+        n = layout.codes_per_byte(bits)
+        if page_q % n:
+            raise ValueError(f"low-bit page size {page_q} must be a multiple of {n}")
+        v_want = (p_q, hkv, d, page_q // n)
+    if v_codes.shape != v_want or v_codes.dtype != jnp.uint8:
+        raise ValueError(
+            f"{v_codes.shape=} {v_codes.dtype=} must be uint8{list(v_want)} ({value_layout=})"
+        )
     meta = k_scale.shape
     if len(meta) != 4 or meta[:3] != k_codes.shape[:3] or meta[3] < 1 or d % meta[3]:
         raise ValueError(f"{k_scale.shape=} must be [P_q, Hkv, page, d//G] for {k_codes.shape=}")
@@ -85,9 +98,18 @@ def _validate(
 
 
 def _check_kernel_shapes(
-    dims: dict[str, int], bits: int | None, pages_per_block: int, backend: str
+    dims: dict[str, int],
+    bits: int | None,
+    pages_per_block: int,
+    backend: str,
+    value_layout: str = "tokens",
 ) -> None:
     """Constraints of the kernels (not of the math): tile shapes and group alignment."""
+    if value_layout == "dims" and (backend != "gpu_mosaic" or dims["page_q"] != 128):
+        raise ValueError(
+            f"value_layout='dims' needs backend='gpu_mosaic' and 128-token low-bit pages "
+            f"(got {backend=}, page {dims['page_q']})"
+        )
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
     if pages_per_block < 1 or pages_per_block & (pages_per_block - 1):

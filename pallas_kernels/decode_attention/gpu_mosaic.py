@@ -85,7 +85,7 @@ def _kernel(
     kz_gmem,
     vs_gmem,
     vz_gmem,
-    tab_gmem,  # i32[B, S, row]: pages of the split, then its valid-token count
+    tab_gmem,  # i32[B, S, rows, 32]: pages of the split, then its valid-token count
     acc_gmem,  # f32[B, Hkv, S, d, N]
     m_gmem,  # f32[B, Hkv, S, N]
     l_gmem,  # f32[B, Hkv, S, N]
@@ -108,6 +108,7 @@ def _kernel(
     pages_per_split: int,
     tile: int,
     stage: str,
+    value_layout: str,
 ):
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
@@ -120,15 +121,22 @@ def _kernel(
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
-    count = tab_smem[pages_per_split]
+
+    def table(i):  # the table row is [rows, 32]: a TMA box is at most 256 wide per dimension
+        return tab_smem[i // _COPY_WORDS, lax.rem(i, _COPY_WORDS)]
+
+    count = table(pages_per_split)
     n_steps = (count + tile - 1) // tile
 
     def issue(step, slot):
-        pg = tab_smem[step // tiles_per_page]
+        pg = table(step // tiles_per_page)
         rows = pl.ds(lax.rem(step, tiles_per_page) * tile, tile)
         bar = bars.at[slot]
         plgpu.copy_gmem_to_smem(kc_gmem.at[pg, h, rows], k_smem.at[slot], bar)
-        plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
+        if value_layout == "dims":  # one tile per page: the whole [d, page / n] block
+            plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h], v_smem.at[slot], bar)
+        else:
+            plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
         for r, src in enumerate((ks_gmem, kz_gmem, vs_gmem, vz_gmem)):
             plgpu.copy_gmem_to_smem(src.at[pg, h, rows], meta_smem.at[r, slot], bar)
 
@@ -190,14 +198,25 @@ def _kernel(
         zc = zc * bcast_col(alpha) + pvz
         if stage == "keys":  # no value product
             return acc, m_new, l_i, zc
-        for c, plane in enumerate(planes(v_smem.at[slot])):
-            v16_smem.at[:, pl.ds(c * width, width)][...] = plane
+        if value_layout == "dims":
+            # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
+            # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
+            # but the probabilities.
+            v_planes = planes(v_smem.at[slot])
+        else:
+            for c, plane in enumerate(planes(v_smem.at[slot])):
+                v16_smem.at[:, pl.ds(c * width, width)][...] = plane
         p_smem[...] = pv.astype(jnp.float16)
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
         acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
 
         def values(acc_ref):
-            plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
+            if value_layout == "dims":
+                kb = tile // n
+                for c, plane in enumerate(v_planes):
+                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
+            else:
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
             plgpu.wgmma_wait(0)
 
         acc = pl.run_state(values)(plgpu.ACC.init(acc))
@@ -230,6 +249,7 @@ def lowbit_partials(
     scale_log2: float,
     group: int,
     stage: str = "full",
+    value_layout: str = "tokens",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
@@ -257,6 +277,7 @@ def lowbit_partials(
     count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
     row = -(-(pps + 1) // _COPY_WORDS) * _COPY_WORDS
     tab_ext = jnp.zeros((b, s, row), jnp.int32).at[:, :, :pps].set(tab).at[:, :, pps].set(count)
+    tab_ext = tab_ext.reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
     metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
     if any(a.dtype != jnp.float16 for a in metas):
         metas = [a.astype(jnp.float16) for a in metas]
@@ -264,6 +285,14 @@ def lowbit_partials(
     if stage not in STAGES_KINDS:
         raise ValueError(f"stage={stage!r} must be one of {STAGES_KINDS}")
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
+    if value_layout == "dims":
+        if tile != page:
+            raise ValueError(f"value_layout='dims' needs {MAX_TILE}-token pages, got {page=}")
+        v_smem = plgpu.SMEM((STAGES, d, tile // n), jnp.uint8, transforms=_swizzled(tile // n, 8))
+        v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
+    else:
+        v_smem = plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8))
+        v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
     kernel = functools.partial(
         _kernel,
         n=n,
@@ -272,6 +301,7 @@ def lowbit_partials(
         pages_per_split=pps,
         tile=tile,
         stage=stage,
+        value_layout=value_layout,
     )
     acc, m, l = plgpu.kernel(
         kernel,
@@ -285,11 +315,11 @@ def lowbit_partials(
         scratch_types=dict(
             q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
             qsum_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
-            tab_smem=plgpu.SMEM((row,), jnp.int32),
+            tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
             k_smem=plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
-            v_smem=plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
+            v_smem=v_smem,
             meta_smem=plgpu.SMEM((4, STAGES, tile), jnp.float16),
-            v16_smem=plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+            v16_smem=v16_smem,
             p_smem=plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
             out_smem=plgpu.SMEM((d, GROUP_PAD), jnp.float32),
             vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
@@ -361,6 +391,7 @@ def paged_decode(
         bits=cfg.bits,
         scale_log2=cfg.scale_log2,
         group=group,
+        value_layout=cfg.value_layout,
     )
     cat = functools.partial(jnp.concatenate, axis=2)
     return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])

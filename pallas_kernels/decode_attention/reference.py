@@ -104,6 +104,7 @@ def ref_decode_attention(
     *,
     bits: int,
     sm_scale: float,
+    value_layout: str = "tokens",
     num_splits: int | None = None,
     pages_per_block: int | None = None,
     backend: str = "gpu",
@@ -132,8 +133,13 @@ def ref_decode_attention(
         query_transform,
         value_inverse,
         bits=bits,
+        value_layout=value_layout,
     )
     d = dims["d"]
+    if value_layout == "dims":  # to the token-major packing of keys (same codes)
+        v_codes = layout.pack_codes(
+            layout.unpack_value_page_dims_major(v_codes, bits, dims["page_q"]), bits
+        )
     qf = _apply_transforms_ref(q, query_transform, dims["hkv"])
     kf = _gather_pages(k_fp, fp_page_table).astype(jnp.float32)
     vf = _gather_pages(v_fp, fp_page_table).astype(jnp.float32)

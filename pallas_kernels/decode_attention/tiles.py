@@ -75,6 +75,7 @@ class DecodeConfig:
         step. The TPU body reduces per step.
       group: real query heads per KV head (``<= group_pad``); the GPU body writes only these
         rows of its split partials (a quarter of the bytes at GQA 4), ``None`` = all.
+      value_layout: ``"tokens"`` or ``"dims"`` (`pallas_kernels.layout.VALUE_LAYOUTS`).
     """
 
     head_dim: int
@@ -91,6 +92,7 @@ class DecodeConfig:
     int_to_float: str = "convert"
     row_sums: str = "per_step"
     group: int | None = None
+    value_layout: str = "tokens"
 
     @property
     def chunk(self) -> int:

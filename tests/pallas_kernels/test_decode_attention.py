@@ -38,6 +38,7 @@ class Case:
     num_splits: int | None = 2
     pages_per_block: int = 2
     page_q: int | None = None  # low-bit page size (None: = page); q_lens multiples of 16
+    value_layout: str = "tokens"  # "dims": value codes packed along tokens (layout.py)
 
 
 def _pages_for(n: int, page: int) -> int:
@@ -100,6 +101,11 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
 
     hq = hkv * c.group
     q = rng.standard_normal((c.batch, hq, d)).astype(np.float32)
+    v_codes_arr = jnp.asarray(v_codes)
+    if c.value_layout == "dims":
+        v_codes_arr = layout.pack_value_page_dims_major(
+            layout.unpack_codes(v_codes_arr, c.bits, d), c.bits
+        )
     out = dict(
         q=jnp.asarray(q),
         k_fp=jnp.asarray(k_fp, c.fp_dtype),
@@ -107,7 +113,7 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
         fp_page_table=jnp.asarray(fp_table),
         fp_len=jnp.asarray(c.fp_lens, jnp.int32),
         k_codes=jnp.asarray(k_codes),
-        v_codes=jnp.asarray(v_codes),
+        v_codes=v_codes_arr,
         k_scale=jnp.asarray(k_scale),
         k_zero=jnp.asarray(k_zero),
         v_scale=jnp.asarray(v_scale),
@@ -339,47 +345,69 @@ class TestDecodeAttentionTpuInterpret(TestDecodeAttention):
 # Mosaic GPU (Hopper) low-bit body: GPU hardware only; CPU CI checks that it lowers
 # ------------------------------------------------------------------------------------------
 # The Mosaic body reads 64-token low-bit pages (whole TMA tiles); the fp pages stay at 16.
-MOSAIC_CASES = [
-    Case(
-        batch=2,
-        kv_heads=hkv,
-        group=g,
-        head_dim=d,
-        bits=bits,
-        page=16,
-        page_q=page_q,
-        num_splits=s,
-        pages_per_block=1,
-        fp_lens=(35, 16),
-        q_lens=(5 * 64 + 48, 64 + 16),  # ragged: partial last tiles
-    )
-    for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
-    for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
-    for page_q in (64, 128)
-    for s in (1, 3)
-    if not (page_q == 128 and s == 3 and hkv == 8)
-] + [
-    Case(
-        batch=3,
-        head_dim=128,
-        page_q=64,
-        group=4,
-        fp_lens=(0, 5, 0),
-        q_lens=(128, 0, 0),
-        pages_per_block=1,
-        num_splits=4,
-    ),  # empty splits; a sequence with no key at all
-    Case(
-        head_dim=128,
-        page_q=64,
-        group=4,
-        fp_dtype="bfloat16",
-        fp_lens=(70, 9),
-        q_lens=(1024, 256),
-        pages_per_block=1,
-        num_splits=None,
-    ),  # automatic splits
-]
+MOSAIC_CASES = (
+    [
+        Case(
+            batch=2,
+            kv_heads=hkv,
+            group=g,
+            head_dim=d,
+            bits=bits,
+            page=16,
+            page_q=page_q,
+            num_splits=s,
+            pages_per_block=1,
+            fp_lens=(35, 16),
+            q_lens=(5 * 64 + 48, 64 + 16),  # ragged: partial last tiles
+        )
+        for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
+        for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
+        for page_q in (64, 128)
+        for s in (1, 3)
+        if not (page_q == 128 and s == 3 and hkv == 8)
+    ]
+    + [
+        Case(
+            batch=2,
+            kv_heads=hkv,
+            group=g,
+            head_dim=d,
+            bits=bits,
+            page=16,
+            page_q=128,
+            value_layout="dims",
+            num_splits=s,
+            pages_per_block=1,
+            fp_lens=(35, 16),
+            q_lens=(3 * 128 + 48, 128 + 16),
+        )
+        for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
+        for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
+        for s in (1, 3)
+    ]
+    + [
+        Case(
+            batch=3,
+            head_dim=128,
+            page_q=64,
+            group=4,
+            fp_lens=(0, 5, 0),
+            q_lens=(128, 0, 0),
+            pages_per_block=1,
+            num_splits=4,
+        ),  # empty splits; a sequence with no key at all
+        Case(
+            head_dim=128,
+            page_q=64,
+            group=4,
+            fp_dtype="bfloat16",
+            fp_lens=(70, 9),
+            q_lens=(1024, 256),
+            pages_per_block=1,
+            num_splits=None,
+        ),  # automatic splits
+    ]
+)
 
 
 class TestDecodeAttentionMosaic:
@@ -392,7 +420,7 @@ class TestDecodeAttentionMosaic:
     @pytest.mark.parametrize("case", MOSAIC_CASES, ids=str)
     def test_matches_reference(self, case: Case):
         x = make_inputs(case, seed=2)
-        kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5)
+        kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5, value_layout=case.value_layout)
         ref = da.ref_decode_attention(**x, **kw)
         out = da.decode_attention_variant(
             **x, **kw, num_splits=case.num_splits, backend="gpu_mosaic"
@@ -405,16 +433,38 @@ class TestDecodeAttentionMosaic:
         assert err < TOL[case.fp_dtype], f"{case=} rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("case", [MOSAIC_CASES[1], MOSAIC_CASES[-1]], ids=str)
+_DIMS_CASES = [c for c in MOSAIC_CASES if c.value_layout == "dims"]
+
+
+@pytest.mark.parametrize("case", [MOSAIC_CASES[1], MOSAIC_CASES[-1], _DIMS_CASES[3]], ids=str)
 def test_mosaic_kernel_lowers_for_cuda(case: Case):
     """CPU CI cannot run Mosaic GPU kernels, but it can lower them for the cuda platform."""
     x = make_inputs(case)
 
     def f(x):
-        return da.decode_attention(**x, bits=case.bits, sm_scale=0.1, backend="gpu_mosaic")
+        return da.decode_attention(
+            **x,
+            bits=case.bits,
+            sm_scale=0.1,
+            backend="gpu_mosaic",
+            value_layout=case.value_layout,
+        )
 
     lowered = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_reference_reads_dims_major_value_pages(bits: int):
+    """The dimension-major value layout holds the same codes: the reference gives the
+    identical result (it repacks them to the token-major layout, then runs the same ops)."""
+    c = Case(head_dim=64, bits=bits, page=16, page_q=128, q_lens=(256, 144), fp_lens=(20, 3))
+    x_tok = make_inputs(c)
+    x_dims = make_inputs(dataclasses.replace(c, value_layout="dims"))
+    kw = dict(bits=bits, sm_scale=0.125)
+    want = da.ref_decode_attention(**x_tok, **kw)
+    got = da.ref_decode_attention(**x_dims, **kw, value_layout="dims")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_mosaic_rejects_small_lowbit_pages():
