@@ -160,32 +160,38 @@ def _time_unrolled(
     return statistics.median(times)
 
 
-def read_bandwidth_ceiling(nbytes: int = 4 << 30) -> dict[str, float]:
+def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, float]:
     """Bytes/s of large reductions over device memory (reads dominate; the output is one
-    scalar): XLA's, and torch's where torch sees a GPU. The ceiling is the faster of the two
-    (run 20: torch SDPA read faster than the XLA sum alone)."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16) * jnp.bfloat16(1.5)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    scalar): XLA's and, where torch sees a GPU, torch's, over 4 and 16 GiB. The ceiling is the
+    fastest of them (run 21: torch SDPA over 17 GB read faster than a 4 GiB XLA sum)."""
+    if sizes is None:  # a CPU run (a smoke test of the script) has no 16 GiB to spare
+        sizes = (4 << 30, 16 << 30) if jax.default_backend() == "gpu" else (1 << 30,)
+    out = {}
     cfg = BenchConfig(repeats=7, calls_per_repeat=10)
-    out = {"xla_sum": nbytes / _time_jax(lambda: f(x), cfg)}
-    x = None  # free the buffer before torch allocates its own
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    for nbytes in sizes:
+        x = jnp.ones((nbytes // 2,), jnp.bfloat16) * jnp.bfloat16(1.5)
+        out[f"xla_sum_{nbytes >> 30}GiB"] = nbytes / _time_jax(lambda x=x: f(x), cfg)
+        x = None  # free the buffer before the next allocation
     try:
         import torch
 
         if torch.cuda.is_available():
-            t = torch.full((nbytes // 2,), 1.5, device="cuda", dtype=torch.bfloat16)
-            times = []
-            for _ in range(10):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(5):
-                    t.sum(dtype=torch.float32)
-                e1.record()
-                torch.cuda.synchronize()
-                times.append(e0.elapsed_time(e1) / 1e3 / 5)
-            out["torch_sum"] = nbytes / statistics.median(times[2:])
-            del t
-            torch.cuda.empty_cache()
+            for nbytes in sizes:
+                t = torch.full((nbytes // 2,), 1.5, device="cuda", dtype=torch.bfloat16)
+                times = []
+                for _ in range(10):
+                    e0 = torch.cuda.Event(enable_timing=True)
+                    e1 = torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    for _ in range(3):
+                        t.sum(dtype=torch.float32)
+                    e1.record()
+                    torch.cuda.synchronize()
+                    times.append(e0.elapsed_time(e1) / 1e3 / 3)
+                out[f"torch_sum_{nbytes >> 30}GiB"] = nbytes / statistics.median(times[2:])
+                del t
+                torch.cuda.empty_cache()
     except ImportError:
         pass
     out["ceiling"] = max(out.values())
@@ -725,7 +731,7 @@ def markdown_table(result: dict) -> str:
         f"`{result.get('command', '')}` at commit {result.get('commit', '?')}, "
         f"{result.get('date', '')}, {result.get('device', '')}, jax {result.get('jax_version')}",
         "",
-        "read-bandwidth ceiling (the faster of XLA's and torch's bf16 sum over 4 GiB): "
+        "read-bandwidth ceiling (the fastest of XLA's and torch's bf16 sums over 4 and 16 GiB): "
         f"{result['read_ceiling_GBps']:.0f} GB/s",
         "",
         "| batch | context | variant | time (ms) | bytes read (MB) | GB/s | of ceiling |",
