@@ -200,17 +200,21 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
 
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
-    segment or merge), computing everything, keys only (no value product), or nothing but
-    the TMA ring (loads only); 2 bits, 64- and 128-token low-bit pages."""
+    segment or merge), 2 bits: computing everything, keys only (no value product), or
+    nothing but the TMA ring (loads only), with 64-token pages; everything with Pallas' auto
+    barriers (a warpgroup barrier before each TMA copy); and with dimension-major value pages
+    (128 tokens)."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    for page_q in (64, 128):
+    runs = [(64, "tokens", st, False) for st in gm.STAGES_KINDS]
+    runs += [(64, "tokens", "full", True), (128, "dims", "full", False)]
+    for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
-            x = _make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.fold_in(key, r), page_q)
+            x = _make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.fold_in(key, r), page_q, vl)
             splits = da.lowbit_auto_splits(batch, cfg.kv_heads, x["q_page_table"].shape[1], 1)
             tab = da_api._split_table(x["q_page_table"], splits, 1)
             names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
@@ -219,15 +223,25 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for stage in gm.STAGES_KINDS:
+        for _, _, stage, auto in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage):
+            def call(c, qg, stage=stage, auto=auto, vl=vl):
                 return gm.lowbit_partials(
-                    qg, c["ls"], bits=2, scale_log2=0.1, group=group, stage=stage
+                    qg,
+                    c["ls"],
+                    bits=2,
+                    scale_log2=0.1,
+                    group=group,
+                    stage=stage,
+                    value_layout=vl,
+                    auto_barriers=auto,
                 )
 
+            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}" + (
+                "_autobarriers" if auto else ""
+            )
             record(
-                f"int2_mosaic_split_kernel_{stage}_page{page_q}",
+                name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
                 nbytes,
                 lowbit_tokens=n_q,

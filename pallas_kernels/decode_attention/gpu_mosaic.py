@@ -250,6 +250,7 @@ def lowbit_partials(
     group: int,
     stage: str = "full",
     value_layout: str = "tokens",
+    auto_barriers: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
@@ -303,8 +304,17 @@ def lowbit_partials(
         stage=stage,
         value_layout=value_layout,
     )
+    # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
+    # step). Safe here: a slot is refilled only in the step after its last reads, and every
+    # step ends in `commit_smem` (a warpgroup barrier); no thread reads what it wrote.
+    params = plgpu.CompilerParams(
+        unsafe_no_auto_barriers=not auto_barriers,
+        reduction_scratch_bytes=6144,
+        approx_math=True,
+    )
     acc, m, l = plgpu.kernel(
         kernel,
+        compiler_params=params,
         out_type=(
             jax.ShapeDtypeStruct((b, hkv, s, d, GROUP_PAD), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
