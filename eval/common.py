@@ -323,9 +323,14 @@ class TokenScorer:
 
 
 def git_commit() -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes), or ``unknown``."""
+    """The checkout's commit (``+dirty`` with uncommitted changes), or ``unknown``.
+
+    ``KVJAX_COMMIT`` overrides it: a copy of the tree on another machine (the device runs)
+    may carry another commit's ``.git``."""
     import subprocess
 
+    if os.environ.get("KVJAX_COMMIT"):
+        return os.environ["KVJAX_COMMIT"]
     here = pathlib.Path(__file__).resolve().parent
     try:
         rev = subprocess.run(
