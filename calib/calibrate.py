@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -36,10 +37,10 @@ from tqdm import tqdm
 
 from calib import clip as clip_lib
 from calib import errors
-from calib.data import split_holdout, token_windows
+from calib.data import check_text, split_holdout, token_windows
 from calib.statistics import finalize_stats, init_stats, required_stats, update_stats
 from calib.transforms import _HADAMARD_METHODS, METHODS, TransformPair, build_transforms
-from kvjax import assets
+from kvjax import assets, cli
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
 from kvjax.models.loading import LoadedModel, load_model
@@ -73,6 +74,47 @@ class CalibrateConfig:
     data_parallel: int = 1  # devices to shard each batch over (statistics are summed)
     out: str = "runs/calib"
     progress: bool = True
+    fresh: bool = False  # discard <out>/stats.npz even if it was made with other settings
+
+
+MIN_SEQ_LEN = 64
+MAX_SEQ_LEN = 1 << 20
+
+
+def validate(cfg: CalibrateConfig) -> None:
+    """Every check that needs no model, before anything loads; raises `cli.UsageError`."""
+    methods = tuple(dict.fromkeys(cfg.methods))
+    bad = [m for m in methods if m not in METHODS]
+    cli.check(
+        not bad and bool(methods),
+        f"unknown method(s) {bad or '(none)'}; choose from {', '.join(METHODS)}",
+    )
+    for b in cfg.bits:
+        cli.check(b in (2, 3, 4), f"--bits {b}: supported 2, 3, 4")
+    cli.check(cfg.clips in ("calibrated", "paper"), f"--clips {cfg.clips!r}: use calibrated/paper")
+    cli.check(cfg.share in ("head", "layer"), f"--share {cfg.share!r}: use head or layer")
+    cli.check(cfg.tokens > 0, f"--tokens {cfg.tokens}: must be > 0")
+    cli.check(
+        MIN_SEQ_LEN <= cfg.seq_len <= MAX_SEQ_LEN,
+        f"--seq-len {cfg.seq_len}: must be in [{MIN_SEQ_LEN}, {MAX_SEQ_LEN}]",
+    )
+    cli.check(cfg.batch_size >= 1, f"--batch-size {cfg.batch_size}: must be >= 1")
+    cli.check(cfg.holdout >= 1, f"--holdout {cfg.holdout}: must be >= 1 (clips are chosen on it)")
+    cli.check(
+        cfg.group_size is None or cfg.group_size > 0, f"--group-size {cfg.group_size}: must be > 0"
+    )
+    cli.check(cfg.gamma > 0, f"--gamma {cfg.gamma}: must be > 0")
+    cli.check(cfg.data_parallel >= 1, f"--data-parallel {cfg.data_parallel}: must be >= 1")
+    cli.check(
+        cfg.batch_size % cfg.data_parallel == 0,
+        f"--batch-size {cfg.batch_size} must be a multiple of --data-parallel {cfg.data_parallel}",
+    )
+    for flag, path in (("--data", cfg.data), ("--model", cfg.model)):
+        cli.check(
+            path is None or pathlib.Path(path).expanduser().exists(),
+            f"{flag} {path!r} does not exist",
+        )
+    cli.check(not pathlib.Path(cfg.out).is_file(), f"--out {cfg.out!r} is a file, not a directory")
 
 
 # ------------------------------------------------------------------------------------------
@@ -111,8 +153,12 @@ def collect_statistics(
     resume_key: dict | None = None,
     progress: bool = True,
     data_parallel: int = 1,
+    fresh: bool = False,
 ) -> tuple[list[dict], float]:
     """Per-layer statistic sums over all windows; resumes from `resume_file` when it matches.
+
+    A `resume_file` made with another key (other text, tokenizer, model or settings) is never
+    mixed in, nor overwritten unless ``fresh``: that raises `cli.UsageError` before any work.
 
     With `data_parallel` > 1 each batch is sharded over that many devices ("data" mesh axis);
     parameters and statistics are replicated and XLA sums the per-device contributions.
@@ -122,16 +168,20 @@ def collect_statistics(
     cfg = lm.cfg
     stats = [init_stats(names, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
     start = 0
-    if resume_file is not None and resume_file.is_file():
+    if resume_file is not None and resume_file.is_file() and not fresh:
         saved = np.load(resume_file, allow_pickle=False)
-        if json.loads(str(saved["key"])) == resume_key:
-            start = int(saved["batches_done"])
-            stats = [
-                {n: jnp.asarray(saved[f"{i}/{n}"]) for n in stats[i]} for i in range(len(stats))
-            ]
-            print(f"resuming from {resume_file}: {start} batches already done", file=sys.stderr)
-        else:
-            print(f"{resume_file} was made with other settings; starting over", file=sys.stderr)
+        old = json.loads(str(saved["key"]))
+        if old != resume_key:
+            differs = sorted(
+                k for k in set(old) | set(resume_key) if old.get(k) != resume_key.get(k)
+            )
+            cli.fail(
+                f"{resume_file} holds statistics of other settings or data (differs: "
+                f"{', '.join(differs)}); use another --out, or --fresh to start over"
+            )
+        start = int(saved["batches_done"])
+        stats = [{n: jnp.asarray(saved[f"{i}/{n}"]) for n in stats[i]} for i in range(len(stats))]
+        print(f"resuming from {resume_file}: {start} batches already done", file=sys.stderr)
     _, params = nnx.split(lm.model)
     step = make_stats_step(lm, names)
     mesh = None
@@ -279,21 +329,24 @@ def output_errors(acts, pairs, clips, w_o, bits, group_size=None) -> np.ndarray:
 
 
 def main(cfg: CalibrateConfig) -> dict:
+    validate(cfg)
     methods = tuple(dict.fromkeys(cfg.methods))
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise ValueError(f"unknown method(s) {bad or '(none)'}; choose from {', '.join(METHODS)}")
-    for b in cfg.bits:
-        if b not in (2, 3, 4):
-            raise ValueError(f"bits={b}; supported 2, 3, 4")
-    if cfg.clips not in ("calibrated", "paper"):
-        raise ValueError(f"clips={cfg.clips!r}; use 'calibrated' or 'paper'")
     out = pathlib.Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
+    # The text first: a bad file is reported before the model loads.
+    _phase("reading the calibration text" + ("" if cfg.data else " (shipped Shakespeare plays)"))
+    text = assets.load_text(cfg.data, split="calibration")
+    source = repr(cfg.data) if cfg.data else "the shipped calibration text"
+    check_text(text, source)
+    shipped = " (shipped SmolLM2-135M; the first run downloads ~93 MB)"
+    _phase("loading the model" + ("" if cfg.model else shipped))
     lm = load_model(cfg.model)
     d = lm.cfg.head_dim
+    cli.check(
+        cfg.group_size is None or d % cfg.group_size == 0,
+        f"--group-size {cfg.group_size} must divide the model's head_dim={d}",
+    )
     if d & (d - 1):
         bad = [m for m in methods if m in _HADAMARD_METHODS]
         if bad:
@@ -301,7 +354,6 @@ def main(cfg: CalibrateConfig) -> dict:
                 f"method(s) {bad} use a Hadamard matrix and need a power-of-two "
                 f"head_dim; this model has head_dim={d}"
             )
-    text = assets.load_text(cfg.data, split="calibration")
     if cfg.seq_len > lm.cfg.max_position_embeddings:
         print(
             f"--seq-len {cfg.seq_len} exceeds the model's context "
@@ -310,7 +362,7 @@ def main(cfg: CalibrateConfig) -> dict:
         )
         cfg = dataclasses.replace(cfg, seq_len=lm.cfg.max_position_embeddings)
     n_cal = -(-cfg.tokens // cfg.seq_len)
-    windows = token_windows(text, lm.tokenizer, cfg.seq_len, n_cal + cfg.holdout)
+    windows = token_windows(text, lm.tokenizer, cfg.seq_len, n_cal + cfg.holdout, source)
     if len(windows) <= cfg.holdout:
         raise ValueError(
             f"calibration text gives {len(windows)} windows of {cfg.seq_len} "
@@ -320,14 +372,19 @@ def main(cfg: CalibrateConfig) -> dict:
     baselines = tuple(m for m in BASELINES if not (d & (d - 1) and m in _HADAMARD_METHODS))
     all_methods = tuple(dict.fromkeys(baselines + methods))
     names = required_stats(all_methods) | {"C_Q"}  # C_Q weights the key clip error
+    # The token windows' hash covers the text and the tokenizer; every setting that shapes
+    # the sums is in the key too, so a resume never mixes two runs' statistics.
     key = dict(
         fingerprint=lm.fingerprint,
         data=cfg.data or "shipped",
+        windows_sha256=hashlib.sha256(np.ascontiguousarray(cal).tobytes()).hexdigest(),
         seq_len=cfg.seq_len,
         windows=int(len(cal)),
         batch_size=cfg.batch_size,
+        data_parallel=cfg.data_parallel,
         stats=sorted(names),
     )
+    out.mkdir(parents=True, exist_ok=True)
     stats, rate = collect_statistics(
         lm,
         cal,
@@ -337,6 +394,7 @@ def main(cfg: CalibrateConfig) -> dict:
         key,
         cfg.progress,
         cfg.data_parallel,
+        cfg.fresh,
     )
     final = [finalize_stats(s) for s in stats]
     # Clip choice and the closing table score attention over T x T probabilities; the first
@@ -349,12 +407,14 @@ def main(cfg: CalibrateConfig) -> dict:
         model=lm.source,
         fingerprint=lm.fingerprint,
         tokens=int(cal.size),
-        heldout_tokens=int(held.size),
+        heldout_windows=int(len(held)),
+        heldout_tokens=int(acts[0][1].shape[0] * acts[0][1].shape[1]),  # scored positions
         stats_tokens_per_s=rate,
         methods={},
     )
     table_bits = 2 if 2 in cfg.bits else cfg.bits[0]
-    for method in all_methods:
+    for mi, method in enumerate(all_methods):
+        _phase(f"transforms and clips: {method} ({mi + 1}/{len(all_methods)})")
         pairs = build_method(method, final, lm, cfg)
         clips_by_bits = {}
         for b in sorted(set(cfg.bits) | {table_bits}):
@@ -398,14 +458,31 @@ def main(cfg: CalibrateConfig) -> dict:
     summary["seconds"] = time.perf_counter() - t_start
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_table(summary, table_bits)
+    print(f"\nwrote transforms: {', '.join(str(out / m) for m in methods)}")
+    print(
+        f"      closing table: {out / 'summary.json'}; statistics (for resume): {out / 'stats.npz'}"
+    )
+    model_arg = f" --model {cfg.model}" if cfg.model else ""
+    print(
+        f"next: python -m kvjax.generate{model_arg} --transforms {out / methods[0]} "
+        f"--bits {cfg.bits[0]} --sink 16 --keep 32 --prompt-file PROMPT.txt\n"
+        f"      python -m eval.perplexity --calib-dir {out} --methods {' '.join(methods)}"
+    )
     return summary
+
+
+def _phase(message: str) -> None:
+    print(f"[calibrate] {message}", file=sys.stderr, flush=True)
 
 
 def print_table(summary: dict, bits: int) -> None:
     methods = list(summary["methods"])
+    windows = summary.get("heldout_windows", 1)
+    per_window = summary["heldout_tokens"] // max(1, windows)
     print(
-        f"\nattention-output relative error at {bits} bits on "
-        f"{summary['heldout_tokens']} held-out calibration tokens (K and V quantized, no windows)"
+        f"\nattention-output relative error at {bits} bits, K and V quantized (no full-precision "
+        f"windows), on the first {per_window} positions of {windows} held-out calibration "
+        f"windows ({summary['heldout_tokens']} tokens scored)"
     )
     print("| layer | " + " | ".join(methods) + " |")
     print("|---" * (len(methods) + 1) + "|")
@@ -453,6 +530,11 @@ def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
         help="shard each batch over this many local devices",
     )
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start the statistics over even if <out>/stats.npz holds another run's",
+    )
     a = p.parse_args(argv)
     return CalibrateConfig(
         model=a.model,
@@ -471,6 +553,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
         out=a.out,
         data_parallel=a.data_parallel,
         progress=not a.no_progress,
+        fresh=a.fresh,
     )
 
 

@@ -10,23 +10,52 @@ import numpy as np
 
 from kvjax.models.tokenizer import Tokenizer
 
+# Text that calibrates nothing: statistics of a handful of token ids (200 KB of NUL bytes gave
+# "error 0.0000" on every layer and saved transforms) describe no real traffic.
+MIN_ALPHA_FRACTION = 0.05
+MIN_DISTINCT_TOKENS = 64
+
+
+def check_text(text: str, source: str = "text") -> None:
+    """Rejects text that is empty or has (almost) no letters, naming ``source``.
+
+    Raises:
+        ValueError: with a one-line reason.
+    """
+    if not text.strip():
+        raise ValueError(f"{source} is empty")
+    sample = text[: 1 << 20]
+    alpha = sum(c.isalpha() for c in sample) / len(sample)
+    if alpha < MIN_ALPHA_FRACTION:
+        raise ValueError(
+            f"{source} is not natural-language text: {alpha:.1%} of its characters are letters "
+            f"(need >= {MIN_ALPHA_FRACTION:.0%})"
+        )
+
 
 def token_windows(
     text: str,
     tokenizer: Tokenizer,
     seq_len: int,
     max_windows: int | None = None,
+    source: str = "text",
 ) -> np.ndarray:  # i32[N, seq_len]
     """Non-overlapping `seq_len`-token windows of `text`, at most `max_windows` of them.
 
     Raises:
-        ValueError: seq_len < 2, or the text is too short for a single window.
+        ValueError: seq_len < 2, degenerate text (`check_text`, or fewer than
+            `MIN_DISTINCT_TOKENS` distinct tokens), or text too short for a single window.
     """
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
-    if not text.strip():
-        raise ValueError("calibration/evaluation text is empty")
+    check_text(text, source)
     ids = np.asarray(tokenizer.encode(text), np.int32)
+    distinct = len(np.unique(ids))
+    if distinct < MIN_DISTINCT_TOKENS:
+        raise ValueError(
+            f"{source} has {distinct} distinct tokens in {len(ids)}; need >= "
+            f"{MIN_DISTINCT_TOKENS} for statistics that describe real text"
+        )
     n = len(ids) // seq_len
     if n == 0:
         raise ValueError(f"text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}")

@@ -31,6 +31,7 @@ import numpy as np
 from calib import errors
 from calib.calibrate import capture_activations
 from eval import common
+from kvjax import cli
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.models.loading import LoadedModel, load_model
 
@@ -241,4 +242,4 @@ def parse_args(argv: Sequence[str] | None = None) -> AttentionErrorConfig:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    cli.run(main, parse_args)

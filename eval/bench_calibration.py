@@ -27,7 +27,7 @@ from flax import nnx
 from calib.calibrate import make_stats_step
 from calib.data import token_windows
 from calib.statistics import init_stats, required_stats
-from kvjax import assets
+from kvjax import assets, cli
 from kvjax.models.loading import load_model
 
 
@@ -154,4 +154,4 @@ def parse_args(argv=None) -> BenchCalibrationConfig:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    cli.run(main, parse_args)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from eval import common
+from kvjax import cli
 from kvjax.cache.paged import CacheConfig
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
@@ -359,4 +360,4 @@ def parse_args(argv: Sequence[str] | None = None) -> PerplexityConfig:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    cli.run(main, parse_args)

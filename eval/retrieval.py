@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from eval import common
-from kvjax import assets
+from kvjax import assets, cli
 from kvjax.cache.paged import CacheConfig
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.models.loading import LoadedModel, load_model
@@ -281,4 +281,4 @@ def parse_args(argv: Sequence[str] | None = None) -> RetrievalConfig:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    cli.run(main, parse_args)

@@ -346,8 +346,14 @@ def play_names() -> list[str]:
 
 
 def _read_text(path: pathlib.Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
     # Normalise line endings so a text reads (and tokenizes) the same on every platform.
-    return path.read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def load_play(name: str, *, cache_dir: str | os.PathLike[str] | None = None) -> str:

@@ -5,6 +5,7 @@ name); serving code never imports it.
 """
 
 from calib.calibrate import main, parse_args
+from kvjax import cli
 
 if __name__ == "__main__":
-    main(parse_args())
+    cli.run(main, parse_args)

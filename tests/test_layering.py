@@ -18,6 +18,7 @@ RANK = {
     "pallas_kernels": 0,
     "kvjax.config": 1,
     "kvjax.assets": 1,
+    "kvjax.cli": 1,
     "kvjax.cache": 2,
     "kvjax.models": 3,
     "kvjax.serving": 4,

@@ -110,8 +110,12 @@ def _open_reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
         raise ValueError(f"GGUF path {str(p)!r} does not exist or is not a file")
     try:
         return gguf.GGUFReader(p, "r")
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{str(p)!r} is not a readable GGUF file: {e}") from e
+    except (ValueError, OSError, IndexError, KeyError, EOFError) as e:
+        # A truncated file fails deep inside gguf (an IndexError reading past its end).
+        reason = str(e) or type(e).__name__
+        raise ValueError(
+            f"{str(p)!r} is not a readable GGUF file ({p.stat().st_size} bytes; {reason})"
+        ) from e
 
 
 def check_architecture(meta: Mapping[str, Any], source: str = "GGUF file") -> str:

@@ -1,6 +1,7 @@
 """The calibration pipeline end to end: checkpoints, resume, storage checks, bad input, and the
 directional result on real activations of the shipped model."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -155,9 +156,64 @@ def test_bad_input(tiny_dir, text_file, tmp_path):
     empty.write_text("   \n")
     with pytest.raises(ValueError, match="empty"):
         cal.main(_cfg(tiny_dir, empty, tmp_path / "o2"))
-    with pytest.raises(ValueError, match="bits=8"):
+    with pytest.raises(ValueError, match="--bits 8"):
         cal.main(_cfg(tiny_dir, text_file, tmp_path / "o3", bits=(8,)))
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"\0" * 200_000)
+    with pytest.raises(ValueError, match="nul.txt' is not natural-language text"):
+        cal.main(_cfg(tiny_dir, nul, tmp_path / "o4"))
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(bytes(range(128, 256)) * 100)
+    with pytest.raises(ValueError, match="bin.txt' is not UTF-8 text"):
+        cal.main(_cfg(tiny_dir, binary, tmp_path / "o5"))
+    repetitive = tmp_path / "cat.txt"
+    repetitive.write_text("the cat " * 5000)
+    with pytest.raises(ValueError, match="distinct tokens"):
+        cal.main(_cfg(tiny_dir, repetitive, tmp_path / "o6"))
+    with pytest.raises(ValueError, match="--group-size 48 must divide the model's head_dim=32"):
+        cal.main(_cfg(tiny_dir, text_file, tmp_path / "o7", group_size=48))
     assert not list(pathlib.Path(tmp_path).glob("**/metadata.json"))
+    assert not list(pathlib.Path(tmp_path).glob("**/stats.npz"))  # failed before any work
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        (dict(tokens=0), "--tokens 0"),
+        (dict(seq_len=3), "--seq-len 3"),
+        (dict(batch_size=0), "--batch-size 0"),
+        (dict(holdout=0), "--holdout 0"),
+        (dict(group_size=0), "--group-size 0"),
+        (dict(gamma=0.0), "--gamma 0.0"),
+        (dict(clips="some"), "--clips 'some'"),
+        (dict(data="/no/such/file.txt"), "--data '/no/such/file.txt' does not exist"),
+        (dict(batch_size=3, data_parallel=2), "multiple of --data-parallel 2"),
+    ],
+)
+def test_options_are_checked_before_the_model_loads(kw, msg, tmp_path, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(cal, "load_model", no_load)
+    base = dict(data=None, out=str(tmp_path / "o"), progress=False)
+    with pytest.raises(ValueError, match=msg):
+        cal.main(cal.CalibrateConfig(**{**base, **kw}))
+
+
+def test_resume_never_mixes_other_data(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "o"
+    cfg = _cfg(tiny_dir, text_file, out, methods=("wush",), bits=(2,), tokens=512)
+    cal.main(cfg)
+    before = (out / "stats.npz").read_bytes()
+    other = tmp_path / "other.txt"
+    other.write_text(assets.load_play("hamlet")[:60000])  # same settings, other text
+    with pytest.raises(ValueError, match="differs: data, windows_sha256"):
+        cal.main(dataclasses.replace(cfg, data=str(other)))
+    with pytest.raises(ValueError, match="differs: seq_len"):
+        cal.main(dataclasses.replace(cfg, seq_len=64))
+    assert (out / "stats.npz").read_bytes() == before  # the good file is untouched
+    cal.main(dataclasses.replace(cfg, data=str(other), fresh=True))  # asked for: starts over
+    assert (out / "stats.npz").read_bytes() != before
 
 
 def test_hadamard_needs_power_of_two_head_dim(tmp_path, text_file):

@@ -1,0 +1,59 @@
+"""The shared CLI wrapper: user errors are one line and exit status 2; --debug re-raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvjax import cli
+from kvjax import generate as gen
+
+
+def _main(cfg):
+    cli.check(cfg != "bad", f"--thing {cfg!r}: must not be bad")
+    return cfg
+
+
+def _parse(argv):
+    return argv[0] if argv else "ok"
+
+
+def test_user_error_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.run(_main, _parse, ["bad"])
+    assert e.value.code == cli.USAGE_ERROR
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "error: --thing 'bad': must not be bad"
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_debug_shows_the_exception():
+    with pytest.raises(cli.UsageError, match="must not be bad"):
+        cli.run(_main, _parse, ["bad", "--debug"])
+
+
+def test_success_returns_mains_value():
+    assert cli.run(_main, _parse, []) == "ok"
+
+
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [
+        (["--max-new-tokens", "-1"], "--max-new-tokens -1: must be > 0"),
+        (["--bits", "5"], "--bits 5: supported 2, 3, 4"),
+        (["--top-p", "0"], "--top-p 0.0"),
+        (["--temperature", "-1"], "--temperature -1.0"),
+        (["--transforms", "/no/such/dir", "--bits", "2"], "'/no/such/dir' does not exist"),
+        (["--transforms", "/no/such/dir"], "--transforms needs --bits"),
+        (["--sink", "10"], "--sink 10 must be a multiple of --page-size 16"),
+        (["--prompt-file", "/no/such/file"], "--prompt-file '/no/such/file' is not a file"),
+    ],
+)
+def test_generate_checks_options_before_loading(argv, msg, monkeypatch, capsys):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(gen, "load_model", no_load)
+    with pytest.raises(SystemExit) as e:
+        cli.run(gen.main, gen.parse_args, argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err.splitlines()[0]
