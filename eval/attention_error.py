@@ -47,7 +47,7 @@ class AttentionErrorConfig:
     quantizer: str = "oscar"
     seq_len: int = 1024
     num_windows: int = 2
-    out: str = "results"
+    out: str = "runs/eval"  # results/ only when asked (--out results)
     plot: bool = True
 
     def __post_init__(self):

@@ -38,7 +38,7 @@ class BenchCalibrationConfig:
     seq_len: int = 512
     batch_size: int = 4
     batches: int = 4  # timed batches per phase (after one warm-up)
-    out: str = "results/bench_calibration"
+    out: str = "runs/bench_calibration"
 
 
 def _peak_rss_mib() -> float:

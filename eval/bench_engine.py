@@ -51,7 +51,7 @@ class EngineBenchConfig:
     keep: int = 256
     flush: int = 16
     modes: tuple[str, ...] = ("dense", "paged_reference", "paged_pallas")
-    out: str = "results/bench_engine.json"
+    out: str = "runs/bench_engine.json"
 
 
 def model_config(c: EngineBenchConfig) -> ModelConfig:

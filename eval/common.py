@@ -147,10 +147,7 @@ def low_bit_mask(
     c0 = (positions // chunk) * chunk  # tokens stored before the chunk holding t
     if decode_from is not None:
         c0 = jnp.where(positions >= decode_from, positions, jnp.minimum(c0, decode_from))
-    over = c0 - cache_cfg.sink - cache_cfg.keep
-    q_end = jnp.where(
-        over < 0, cache_cfg.sink, cache_cfg.sink + (over // cache_cfg.flush) * cache_cfg.flush
-    )
+    q_end = cache_cfg.quant_end(c0)
     s = positions[:, None, :]  # key positions
     return (s >= cache_cfg.sink) & (s < q_end[:, :, None]) & (s <= positions[:, :, None])
 

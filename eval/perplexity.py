@@ -58,7 +58,7 @@ class PerplexityConfig:
     page_size: int = 16
     engine: str = "simulated"  # or "paged"
     crosscheck_tokens: int = 0  # >0: also run wush@2 bits through the real paged cache
-    out: str = "results"
+    out: str = "runs/eval"  # results/ only when asked (--out results)
     plot: bool = True
 
     def __post_init__(self):

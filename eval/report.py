@@ -1,14 +1,19 @@
-"""Run the evaluation set on the default model and write RESULTS.md.
+"""Run the evaluation set on the default model and write a RESULTS.md report.
 
-    python -m eval.report                       # full set (CPU: see RESULTS.md for the time)
-    python -m eval.report --quick               # smoke run: few methods, short windows
+    python -m eval.report --calib-dir runs/calib --quick     # smoke run -> runs/report/
+    python -m eval.report --calib-dir runs/calib             # full set (CPU: hours)
+    python -m eval.report --out results --results-md RESULTS.md   # refresh the tracked record
 
 Needs calibrated transforms (`python -m kvjax.calibrate --method wush wush_a oscar
-oscar_tokenweight kv_pca hadamard random identity --bits 2 3 4 --out runs/calib`). Writes
-results/{perplexity,attention_error,retrieval,memory}.{json,md} (+ PNG plots) and RESULTS.md
-with the tables, the attention-error plot, cache memory at 2 bits, the issue targets checked
-against the measured numbers, the date, machine, jax version and the exact commands.
-Nothing is tuned on the evaluation plays: clips come from the calibration plays.
+oscar_tokenweight kv_pca hadamard random identity --bits 2 3 4 --out runs/calib`); the full
+set evaluates every method, `--quick` those of QUICK_METHODS found in --calib-dir. Writes
+{perplexity,attention_error,retrieval,memory}.{json,md} (+ PNG plots) into --out (default
+runs/report, outside the tracked tree) and a report (default <out>/RESULTS.md) with the
+tables, the attention-error plot, cache memory at 2 bits, the issue targets checked against the
+measured numbers, the command that ran, the commit, date, machine and jax version, and what
+each transform was calibrated on (from its metadata). Tracked files are written only when
+--out / --results-md name them. Nothing is tuned on the evaluation plays: clips come from the
+calibration plays.
 """
 
 from __future__ import annotations
@@ -16,12 +21,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 
 from eval import attention_error, common, perplexity, retrieval
+from kvjax import cli
 from kvjax.cache.paged import CacheConfig, PagedKVCache
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
@@ -37,8 +41,8 @@ class ReportConfig:
     quick: bool = False
     model: str | None = None
     calib_dir: str = "runs/calib"
-    out: str = "results"
-    results_md: str = "RESULTS.md"
+    out: str = "runs/report"
+    results_md: str | None = None  # None: <out>/RESULTS.md
     ppl_windows: int = 1  # 2048-token windows for the full grid (CPU budget)
     memory_context: int = 32768  # tokens per sequence for the memory comparison
     run: tuple[str, ...] = ("perplexity", "attention_error", "retrieval")
@@ -125,20 +129,48 @@ def _targets(ppl: dict) -> list[str]:
     return out
 
 
-def write_results_md(cfg: ReportConfig, results: dict, commands: list[str], seconds: float) -> str:
+def calibration_lines(calib_dir: str, methods: Sequence[str]) -> list[str]:
+    """What each evaluated transform was calibrated on, read from its stored metadata."""
+    from kvjax.storage import read_metadata
+
+    lines = []
+    for m in methods:
+        path = pathlib.Path(calib_dir) / m
+        if not path.is_dir():
+            lines.append(f"- {m}: no stored transforms (a baseline built in place)")
+            continue
+        meta = read_metadata(path)
+        lines.append(
+            f"- {m}: `{path}`, {meta.get('tokens')} tokens in {meta.get('seq_len')}-token "
+            f"windows of {meta.get('data')}, clips {meta.get('clip_mode')} for bits "
+            f"{', '.join(sorted(meta.get('clips_by_bits', {})))}"
+        )
+    return lines
+
+
+def report_path(cfg: ReportConfig) -> pathlib.Path:
+    return pathlib.Path(cfg.results_md or pathlib.Path(cfg.out) / "RESULTS.md")
+
+
+def write_results_md(
+    cfg: ReportConfig, results: dict, methods: Sequence[str], seconds: float
+) -> str:
     env = common.environment()
     out = pathlib.Path(cfg.out)
     parts = [
         "# kvjax results on the default model\n",
-        f"SmolLM2-135M-Instruct (Q4_1 GGUF, shipped), measured by `eval/` on {env['date']}; "
-        f"machine {env['machine']} ({env['cpu_count']} CPUs visible, shared with other "
-        f"jobs), jax {env['jax_version']} ({env['jax_backend']}). Run time "
+        f"SmolLM2-135M-Instruct (Q4_1 GGUF, shipped), measured by `eval/` on {env['date']} at "
+        f"commit {env['commit']}; machine {env['machine']} ({env['cpu_count']} CPUs visible, "
+        f"shared with other jobs), jax {env['jax_version']} ({env['jax_backend']}). Run time "
         f"{seconds / 60:.0f} min{' (quick smoke run)' if cfg.quick else ''}. Machine-readable "
         f"rows are in `{out}/*.json`.\n",
-        "Commands:\n",
+        "Command that made this report:\n",
         "```",
-        *commands,
+        env["command"],
         "```\n",
+        "Transforms evaluated:\n",
+        *calibration_lines(cfg.calib_dir, methods),
+        "",
     ]
     if "perplexity" in results:
         ppl = results["perplexity"]
@@ -171,21 +203,42 @@ def write_results_md(cfg: ReportConfig, results: dict, commands: list[str], seco
         f"{mem['lowbit_page_bits_per_element']:.3f} bits per element (codes + scale/zero).\n",
     ]
     text = "\n".join(parts)
-    pathlib.Path(cfg.results_md).write_text(text)
+    path = report_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
     return text
 
 
-def main(cfg: ReportConfig, argv: Sequence[str] | None = None) -> dict:
+def select_methods(cfg: ReportConfig) -> tuple[str, ...]:
+    """The methods to evaluate: all of them, or (quick) those of QUICK_METHODS calibrated in
+    --calib-dir; raises `cli.UsageError` naming the calibrate command when one is missing."""
+    calib = pathlib.Path(cfg.calib_dir)
+    cli.check(
+        calib.is_dir(),
+        f"--calib-dir {cfg.calib_dir!r} does not exist; run python -m "
+        f"kvjax.calibrate --method {' '.join(QUICK_METHODS if cfg.quick else common.ALL_METHODS)} "
+        f"--out {cfg.calib_dir}",
+    )
+    found = {m for m in common.ALL_METHODS if (calib / m).is_dir()}
+    if cfg.quick:
+        methods = tuple(m for m in QUICK_METHODS if m in found)
+        cli.check(bool(methods), f"--calib-dir {cfg.calib_dir!r} holds none of {QUICK_METHODS}")
+        return methods
+    missing = [m for m in common.ALL_METHODS if m not in found]
+    cli.check(
+        not missing,
+        f"--calib-dir {cfg.calib_dir!r} lacks {missing}; run python -m kvjax.calibrate "
+        f"--method {' '.join(missing)} --bits 2 3 4 --out {cfg.calib_dir} (or use --quick)",
+    )
+    return common.ALL_METHODS
+
+
+def main(cfg: ReportConfig) -> dict:
     t0 = time.perf_counter()
+    methods = select_methods(cfg)
     lm = load_model(cfg.model)
     q = cfg.quick
-    methods = QUICK_METHODS if q else common.ALL_METHODS
     results: dict = {}
-    commands = [
-        "python -m kvjax.calibrate --method wush wush_a oscar oscar_tokenweight kv_pca "
-        "hadamard random identity --bits 2 3 4 --tokens 65536 --out " + cfg.calib_dir,
-        "python -m eval.report " + shlex.join(argv or []),
-    ]
     results["memory"] = memory_report(lm.cfg, cfg.memory_context)
     mem_md = common.markdown_table(list(results["memory"]), [list(results["memory"].values())])
     common.write_results(cfg.out, "memory", dict(eval="memory", **results["memory"]), mem_md)
@@ -200,7 +253,7 @@ def main(cfg: ReportConfig, argv: Sequence[str] | None = None) -> dict:
             out=cfg.out,
         )
         results["attention_error"] = attention_error.main(ac, lm)
-        write_results_md(cfg, results, commands, time.perf_counter() - t0)
+        write_results_md(cfg, results, methods, time.perf_counter() - t0)
     if "perplexity" in cfg.run:
         pc = perplexity.PerplexityConfig(
             calib_dir=cfg.calib_dir,
@@ -212,7 +265,7 @@ def main(cfg: ReportConfig, argv: Sequence[str] | None = None) -> dict:
             out=cfg.out,
         )
         results["perplexity"] = perplexity.main(pc, lm)
-        write_results_md(cfg, results, commands, time.perf_counter() - t0)
+        write_results_md(cfg, results, methods, time.perf_counter() - t0)
     if "retrieval" in cfg.run:
         rc = retrieval.RetrievalConfig(
             calib_dir=cfg.calib_dir,
@@ -222,7 +275,7 @@ def main(cfg: ReportConfig, argv: Sequence[str] | None = None) -> dict:
             out=cfg.out,
         )
         results["retrieval"] = retrieval.main(rc, lm)
-    write_results_md(cfg, results, commands, time.perf_counter() - t0)
+    write_results_md(cfg, results, methods, time.perf_counter() - t0)
     return results
 
 
@@ -236,8 +289,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ReportConfig:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--model", default=None)
     p.add_argument("--calib-dir", default=d.calib_dir)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--results-md", default=d.results_md)
+    p.add_argument("--out", default=d.out, help="folder for the JSON/markdown/PNG files")
+    p.add_argument("--results-md", default=None, help="report path (default <out>/RESULTS.md)")
     p.add_argument("--ppl-windows", type=int, default=d.ppl_windows)
     p.add_argument("--memory-context", type=int, default=d.memory_context)
     p.add_argument(
@@ -260,4 +313,4 @@ def parse_args(argv: Sequence[str] | None = None) -> ReportConfig:
 
 
 if __name__ == "__main__":
-    main(parse_args(), sys.argv[1:])
+    cli.run(main, parse_args)

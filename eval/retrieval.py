@@ -60,7 +60,7 @@ class RetrievalConfig:
     chunk: int = 16  # prefill tokens per call
     batch_size: int = 5
     seed: int = 0
-    out: str = "results"
+    out: str = "runs/eval"  # results/ only when asked (--out results)
 
     def __post_init__(self):
         common.check_methods(self.methods)

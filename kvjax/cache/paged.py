@@ -97,11 +97,11 @@ class CacheConfig:
     def value_quant(self) -> QuantConfig | None:
         return self.quant_v if self.quant_v is not None else self.quant
 
-    def quant_end(self, length: int) -> int:
-        """First position of the recent window for a sequence of `length` tokens."""
+    def quant_end(self, length):  # int -> int, or i32 array -> i32 array (elementwise)
+        """First position of the recent window for a sequence of `length` tokens: the one
+        place the window policy is computed (the allocator and `eval`'s simulated cache)."""
         over = length - self.sink - self.keep
-        if over < 0:
-            return self.sink
+        over = over * (over > 0)
         return self.sink + (over // self.flush) * self.flush
 
     def fp_pages_per_seq(self) -> int:

@@ -481,11 +481,6 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return prefix + ".".join(parts), False
 
 
-def split_model(model: Transformer):
-    """(graphdef, params) for use with jax.jit: `nnx.merge(graphdef, params)` inside."""
-    return nnx.split(model)
-
-
 def capture_observed(model: Transformer) -> list[Any]:
     """Pops what the observer sowed during the last call, one entry per layer (in order)."""
     inter = nnx.pop(model, nnx.Intermediate)

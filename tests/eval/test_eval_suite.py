@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -271,3 +272,22 @@ def test_bench_engine_smoke(tmp_path):
     assert err < 1e-2
     assert quant > 10 * err  # the low-bit pages were read (their error dwarfs the kernel's)
     assert out.exists()
+
+
+def test_report_writes_outside_the_tree_and_picks_calibrated_methods(tmp_path):
+    from eval import report
+    from kvjax import cli
+
+    assert report.report_path(report.ReportConfig()) == pathlib.Path("runs/report/RESULTS.md")
+    assert report.report_path(report.ReportConfig(out="results", results_md="RESULTS.md")) == (
+        pathlib.Path("RESULTS.md")
+    )
+    calib = tmp_path / "calib"
+    for m in ("hadamard", "wush"):  # what the README's calibrate example leaves (+ oscar)
+        (calib / m).mkdir(parents=True)
+    quick = report.ReportConfig(quick=True, calib_dir=str(calib))
+    assert report.select_methods(quick) == ("hadamard", "wush")
+    with pytest.raises(cli.UsageError, match="lacks .*identity.*or use --quick"):
+        report.select_methods(report.ReportConfig(calib_dir=str(calib)))
+    with pytest.raises(cli.UsageError, match="does not exist; run python -m kvjax.calibrate"):
+        report.select_methods(report.ReportConfig(calib_dir=str(tmp_path / "none")))
