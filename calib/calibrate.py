@@ -55,7 +55,8 @@ HOLDOUT_TOKENS = 512
 @dataclasses.dataclass(frozen=True)
 class CalibrateConfig:
     model: str | None = None  # HF dir or .gguf; None = shipped SmolLM2-135M-Instruct
-    data: str | None = None  # text file or dir of .txt; None = shipped Shakespeare calib plays
+    data: str | None = None  # assets.TEXT_FORMATS; None = shipped Shakespeare calibration plays
+    text_field: str = "text"  # the record field of .jsonl / .parquet / datasets data
     methods: tuple[str, ...] = ("wush",)
     tokens: int = 65536  # calibration tokens (held-out windows come on top)
     # Windows as long as the contexts served: post-RoPE key statistics depend on the positions
@@ -336,7 +337,11 @@ def main(cfg: CalibrateConfig) -> dict:
 
     # The text first: a bad file is reported before the model loads.
     _phase("reading the calibration text" + ("" if cfg.data else " (shipped Shakespeare plays)"))
-    text = assets.load_text(cfg.data, split="calibration")
+    # Read only what the windows need (a generous 16 characters per token), not a whole corpus.
+    budget = (-(-cfg.tokens // cfg.seq_len) + cfg.holdout) * cfg.seq_len * 16
+    text = assets.load_text(
+        cfg.data, split="calibration", text_field=cfg.text_field, max_chars=budget
+    )
     source = repr(cfg.data) if cfg.data else "the shipped calibration text"
     check_text(text, source)
     shipped = " (shipped SmolLM2-135M; the first run downloads ~93 MB)"
@@ -504,7 +509,10 @@ def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=None)
-    p.add_argument("--data", default=None)
+    p.add_argument("--data", default=None, help=f"calibration text: {assets.TEXT_FORMATS}")
+    p.add_argument(
+        "--text-field", default=d.text_field, help="record field of .jsonl/.parquet/datasets data"
+    )
     p.add_argument(
         "--method",
         nargs="+",
@@ -539,6 +547,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
     return CalibrateConfig(
         model=a.model,
         data=a.data,
+        text_field=a.text_field,
         methods=tuple(a.methods),
         tokens=a.tokens,
         seq_len=a.seq_len,

@@ -386,22 +386,35 @@ def evaluation_text(*, cache_dir: str | os.PathLike[str] | None = None) -> str:
     return _join_plays(EVALUATION_PLAYS, cache_dir)
 
 
+TEXT_FORMATS = ".txt, a folder of .txt, .jsonl, .parquet, or a `datasets` save_to_disk folder"
+
+
 def load_text(
     path: str | os.PathLike[str] | None,
     *,
     split: Literal["calibration", "evaluation"] = "calibration",
     cache_dir: str | os.PathLike[str] | None = None,
+    text_field: str = "text",
+    max_chars: int | None = None,
 ) -> str:
     """User text when a path is given, else the shipped Shakespeare split.
 
     Args:
-        path: a UTF-8 text file, or a directory whose `*.txt` files (sorted by name, not
-            recursive) are joined by blank lines; None selects the shipped text.
+        path: a UTF-8 `.txt` file; a directory of `*.txt` files (sorted by name, not
+            recursive, joined by blank lines); a `.jsonl` file or a `.parquet` file whose
+            records carry the text in `text_field`; or a `datasets` dataset saved with
+            `save_to_disk` (a directory holding `dataset_info.json`, read through the
+            `datasets` library). Records are joined by blank lines. None selects the shipped
+            text.
         split: which shipped split to return when `path` is None.
         cache_dir: cache root for the shipped text.
+        text_field: the record field holding the text (jsonl, parquet, datasets).
+        max_chars: stop reading records once this many characters are in hand (a corpus
+            larger than the calibration budget is not read whole); None reads everything.
 
     Raises:
-        ValueError: `path` does not exist, is a directory without `.txt` files, or `split` is
+        ValueError: `path` does not exist, is not in one of the formats, is not UTF-8, or a
+            record lacks `text_field` (named with the file and record number); or `split` is
             not one of the two names.
     """
     if path is None:
@@ -411,14 +424,97 @@ def load_text(
             return evaluation_text(cache_dir=cache_dir)
         raise ValueError(f"split={split!r}; expected 'calibration' or 'evaluation'")
     p = pathlib.Path(path).expanduser()
+    saved = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's markers
+    if p.is_dir() and any((p / m).is_file() for m in saved):
+        return _join_records(_dataset_records(p, text_field), max_chars)
+    if p.is_file() and p.suffix == ".jsonl":
+        return _join_records(_jsonl_records(p, text_field), max_chars)
+    if p.is_file() and p.suffix == ".parquet":
+        return _join_records(_parquet_records(p, text_field), max_chars)
     if p.is_file():
         return _read_text(p)
     if p.is_dir():
         files = sorted(f for f in p.glob("*.txt") if f.is_file())
         if not files:
-            raise ValueError(f"text directory {str(p)!r} contains no .txt files")
-        return PLAY_SEPARATOR.join(_read_text(f).strip() for f in files)
+            raise ValueError(
+                f"text directory {str(p)!r} contains no .txt files (formats: {TEXT_FORMATS})"
+            )
+        return _join_records((_read_text(f).strip() for f in files), max_chars)
     raise ValueError(f"text path {str(p)!r} does not exist")
+
+
+def _join_records(records: Iterable[str], max_chars: int | None) -> str:
+    parts, n = [], 0
+    for r in records:
+        parts.append(r)
+        n += len(r) + len(PLAY_SEPARATOR)
+        if max_chars is not None and n >= max_chars:
+            break
+    return PLAY_SEPARATOR.join(parts)
+
+
+def _field(record: object, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where} has no text field {field!r} (has {keys}); pass --text-field")
+    value = record[field]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} is {type(value).__name__}, not text")
+    return value
+
+
+def _jsonl_records(path: pathlib.Path, field: str) -> Iterable[str]:
+    import json
+
+    with path.open("rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(
+                    f"{str(path)!r} line {i} is not a UTF-8 JSON record: {e}"
+                ) from None
+            yield _field(record, field, f"{str(path)!r} line {i}")
+
+
+def _parquet_records(path: pathlib.Path, field: str) -> Iterable[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ValueError(f"reading {str(path)!r} needs pyarrow: pip install pyarrow") from e
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own error types for damaged files
+        raise ValueError(f"{str(path)!r} is not a readable parquet file: {e}") from None
+    if field not in pf.schema_arrow.names:
+        raise ValueError(
+            f"{str(path)!r} has no text column {field!r} (has {pf.schema_arrow.names}); "
+            "pass --text-field"
+        )
+    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            if value is not None:
+                yield value
+
+
+def _dataset_records(path: pathlib.Path, field: str) -> Iterable[str]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(
+            f"{str(path)!r} is a `datasets` folder; reading it needs: pip install datasets"
+        ) from e
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):  # a saved DatasetDict: its first split
+        ds = ds[sorted(ds)[0]]
+    if field not in ds.column_names:
+        raise ValueError(
+            f"{str(path)!r} has no text column {field!r} (has {ds.column_names}); pass --text-field"
+        )
+    for i in range(len(ds)):
+        yield _field(ds[i], field, f"{str(path)!r} record {i}")
 
 
 def clear_verification_memo() -> None:

@@ -209,3 +209,36 @@ def test_load_text_bad_input(tmp_path):
         assets.load_text(tmp_path)
     with pytest.raises(ValueError, match="'train'"):
         assets.load_text(None, split="train")  # type: ignore[arg-type]
+
+
+def test_load_text_reads_jsonl_parquet_and_datasets(tmp_path):
+    import json
+
+    (tmp_path / "a.jsonl").write_text(
+        "\n".join(json.dumps({"text": f"record {i}", "id": i}) for i in range(5)) + "\n\n"
+    )
+    want = assets.PLAY_SEPARATOR.join(f"record {i}" for i in range(5))
+    assert assets.load_text(tmp_path / "a.jsonl") == want
+    short = assets.load_text(tmp_path / "a.jsonl", max_chars=11)  # stops reading early
+    assert short == assets.PLAY_SEPARATOR.join(["record 0", "record 1"])
+    with pytest.raises(ValueError, match=r"a.jsonl' line 1 has no text field 'body'"):
+        assets.load_text(tmp_path / "a.jsonl", text_field="body")
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl' line 2 is not a UTF-8 JSON record"):
+        assets.load_text(tmp_path / "bad.jsonl")
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": [f"row {i}" for i in range(4)]}), tmp_path / "b.parquet")
+    got = assets.load_text(tmp_path / "b.parquet", text_field="body")
+    assert got == assets.PLAY_SEPARATOR.join(f"row {i}" for i in range(4))
+    with pytest.raises(ValueError, match=r"has no text column 'text' \(has \['body'\]\)"):
+        assets.load_text(tmp_path / "b.parquet")
+
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": ["x y z", "second"]}).save_to_disk(str(tmp_path / "ds"))
+    assert assets.load_text(tmp_path / "ds") == "x y z" + assets.PLAY_SEPARATOR + "second"
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": ["only"]})})
+    dd.save_to_disk(str(tmp_path / "dd"))
+    assert assets.load_text(tmp_path / "dd", text_field="content") == "only"
