@@ -18,7 +18,6 @@ Pipeline (one forward pass over the calibration windows, statistics shared by ev
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -54,28 +53,42 @@ HOLDOUT_TOKENS = 512
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateConfig:
-    model: str | None = None  # HF dir or .gguf; None = shipped SmolLM2-135M-Instruct
-    data: str | None = None  # assets.TEXT_FORMATS; None = shipped Shakespeare calibration plays
-    text_field: str = "text"  # the record field of .jsonl / .parquet / datasets data
-    methods: tuple[str, ...] = ("wush",)
-    tokens: int = 65536  # calibration tokens (held-out windows come on top)
+    model: str | None = cli.option(
+        None, "HF checkpoint dir or .gguf (default: the shipped SmolLM2-135M-Instruct)"
+    )
+    data: str | None = cli.option(
+        None, f"calibration text: {assets.TEXT_FORMATS} (default: the shipped plays)"
+    )
+    text_field: str = cli.option("text", "record field of .jsonl / .parquet / datasets data")
+    methods: tuple[str, ...] = cli.option(
+        ("wush",), f"one or more of: {', '.join(METHODS)}", flag="--method"
+    )
+    tokens: int = cli.option(65536, "calibration tokens (held-out windows come on top)")
     # Windows as long as the contexts served: post-RoPE key statistics depend on the positions
     # seen (slow rotary pairs barely turn in short windows). On SmolLM2, wush calibrated on
     # 512-token windows lost 10.4% perplexity at 2 bits on 2048-token held-out text, 5.9% when
     # calibrated on 2048-token windows (notes in RESULTS.md).
-    seq_len: int = 2048
-    batch_size: int = 1
-    bits: tuple[int, ...] = (2,)  # bit widths to calibrate clips for
-    clips: str = "calibrated"  # or "paper" (OSCAR's 0.96 / 0.92 everywhere)
-    group_size: int | None = None
-    share: str = "head"  # or "layer": one transform per layer
-    gamma: float = 1e-2
-    seed: int = 0
-    holdout: int = 2  # held-out calibration windows for clips and the closing table
-    data_parallel: int = 1  # devices to shard each batch over (statistics are summed)
-    out: str = "runs/calib"
-    progress: bool = True
-    fresh: bool = False  # discard <out>/stats.npz even if it was made with other settings
+    seq_len: int = cli.option(2048, "tokens per calibration window")
+    batch_size: int = cli.option(1, "windows per model call")
+    bits: tuple[int, ...] = cli.option((2,), "bit widths to calibrate clips for (2, 3, 4)")
+    clips: str = cli.option(
+        "calibrated",
+        "clip ratios: calibrated per layer, or OSCAR's 0.96/0.92",
+        choices=("calibrated", "paper"),
+    )
+    group_size: int | None = cli.option(None, "channels per scale/zero (none: the whole head)")
+    share: str = cli.option(
+        "head", "one transform per KV head or per layer", choices=("head", "layer")
+    )
+    gamma: float = cli.option(1e-2, "WUSH damping")
+    seed: int = cli.option(0, "seed of the random transforms")
+    holdout: int = cli.option(2, "held-out calibration windows for clips and the closing table")
+    data_parallel: int = cli.option(1, "local devices to shard each batch over (sums of stats)")
+    out: str = cli.option("runs/calib", "output folder (one sub-folder per method)")
+    progress: bool = cli.option(True, "progress bar of the statistics pass")
+    fresh: bool = cli.option(
+        False, "start the statistics over even if <out>/stats.npz holds another run's"
+    )
 
 
 MIN_SEQ_LEN = 64
@@ -502,68 +515,8 @@ def print_table(summary: dict, bits: int) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> CalibrateConfig:
-    d = CalibrateConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m kvjax.calibrate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", default=None)
-    p.add_argument("--data", default=None, help=f"calibration text: {assets.TEXT_FORMATS}")
-    p.add_argument(
-        "--text-field", default=d.text_field, help="record field of .jsonl/.parquet/datasets data"
-    )
-    p.add_argument(
-        "--method",
-        nargs="+",
-        default=list(d.methods),
-        dest="methods",
-        help=f"one or more of: {', '.join(METHODS)}",
-    )
-    p.add_argument("--tokens", type=int, default=d.tokens)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--bits", type=int, nargs="+", default=list(d.bits))
-    p.add_argument("--clips", choices=("calibrated", "paper"), default=d.clips)
-    p.add_argument("--group-size", type=int, default=None)
-    p.add_argument("--share", choices=("head", "layer"), default=d.share)
-    p.add_argument("--gamma", type=float, default=d.gamma)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--holdout", type=int, default=d.holdout)
-    p.add_argument("--out", default=d.out)
-    p.add_argument(
-        "--data-parallel",
-        type=int,
-        default=d.data_parallel,
-        help="shard each batch over this many local devices",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument(
-        "--fresh",
-        action="store_true",
-        help="start the statistics over even if <out>/stats.npz holds another run's",
-    )
-    a = p.parse_args(argv)
-    return CalibrateConfig(
-        model=a.model,
-        data=a.data,
-        text_field=a.text_field,
-        methods=tuple(a.methods),
-        tokens=a.tokens,
-        seq_len=a.seq_len,
-        batch_size=a.batch_size,
-        bits=tuple(a.bits),
-        clips=a.clips,
-        group_size=a.group_size,
-        share=a.share,
-        gamma=a.gamma,
-        seed=a.seed,
-        holdout=a.holdout,
-        out=a.out,
-        data_parallel=a.data_parallel,
-        progress=not a.no_progress,
-        fresh=a.fresh,
-    )
+    parser = cli.dataclass_parser(CalibrateConfig, "python -m kvjax.calibrate", __doc__)
+    return cli.dataclass_from_args(CalibrateConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

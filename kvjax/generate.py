@@ -2,14 +2,14 @@
 
 Examples:
     python -m kvjax.generate --prompt "The capital of France is" --max-new-tokens 8
-    python -m kvjax.generate --transforms runs/calib/wush --bits 2 --sink 16 --keep 32 \
-        --prompt-file prompt.txt   # a prompt past sink + keep: its middle sits in 2-bit pages
+    # a prompt longer than sink + keep: most of it sits in 2-bit pages
+    python -m kvjax.generate --transforms runs/calib/wush --bits 2 --sink 16 --keep 32
+        --prompt-file prompt.txt
     python -m kvjax.generate --model /path/to/Qwen3-8B --temperature 0.7 --top-p 0.9 --seed 1
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
@@ -25,24 +25,32 @@ from kvjax.storage import load_transforms
 
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
-    model: str | None = None  # HF checkpoint dir or .gguf; None = shipped SmolLM2
-    prompt: str = "The capital of France is"
-    prompt_file: str | None = None  # read the prompt from this UTF-8 file instead
-    max_new_tokens: int = 32
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-    transforms: str | None = None  # a calibrated transforms checkpoint directory
-    bits: int | None = None  # low-bit cache (2, 3, 4); None = full-precision dense cache
-    quantizer: str = "oscar"
-    group_size: int | None = None
-    sink: int = 64
-    keep: int = 256
-    flush: int = 16
-    page_size: int = 16
-    fold_values: bool = False  # fold the value transform into W_V / W_O
-    attention: str = "reference"  # or "pallas" (decode kernels)
-    add_bos: bool = False
+    model: str | None = cli.option(
+        None, "HF checkpoint dir or .gguf (default: the shipped SmolLM2-135M-Instruct)"
+    )
+    prompt: str = cli.option("The capital of France is", "the prompt text")
+    prompt_file: str | None = cli.option(None, "read the prompt from this UTF-8 file instead")
+    max_new_tokens: int = cli.option(32, "tokens to generate")
+    temperature: float = cli.option(0.0, "sampling temperature; 0 = greedy")
+    top_p: float = cli.option(1.0, "nucleus sampling mass")
+    seed: int = cli.option(0, "sampling seed")
+    transforms: str | None = cli.option(None, "a calibrated transforms directory (needs --bits)")
+    bits: int | None = cli.option(None, "low-bit KV cache width 2, 3 or 4 (none: full precision)")
+    quantizer: str = cli.option(
+        "oscar", "per-token quantizer", choices=("oscar", "quest", "minmax")
+    )
+    group_size: int | None = cli.option(None, "channels per scale/zero (none: the whole head)")
+    sink: int = cli.option(64, "first tokens kept in full precision")
+    keep: int = cli.option(256, "recent tokens kept in full precision")
+    flush: int = cli.option(16, "tokens moved to low-bit pages at a time")
+    page_size: int = cli.option(16, "tokens per cache page")
+    fold_values: bool = cli.option(False, "fold the value transform into W_V / W_O")
+    attention: str = cli.option(
+        "reference",
+        "decode attention: pure jnp or the Pallas kernels",
+        choices=("reference", "pallas"),
+    )
+    add_bos: bool = cli.option(False, "prepend the BOS token")
 
 
 def validate(cfg: GenerateConfig) -> None:
@@ -143,43 +151,8 @@ def main(cfg: GenerateConfig) -> str:
 
 
 def parse_args(argv=None) -> GenerateConfig:
-    p = argparse.ArgumentParser(
-        prog="python -m kvjax.generate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    d = GenerateConfig()
-    p.add_argument(
-        "--model",
-        default=d.model,
-        help="HF checkpoint dir or .gguf (default: shipped SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--prompt", default=d.prompt)
-    p.add_argument("--prompt-file", default=None, help="read the prompt from a UTF-8 file")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--transforms", default=None, help="calibrated transforms directory")
-    p.add_argument(
-        "--bits",
-        type=int,
-        default=None,
-        help="low-bit KV cache width (default: full-precision cache)",
-    )
-    p.add_argument("--quantizer", choices=("oscar", "quest", "minmax"), default=d.quantizer)
-    p.add_argument("--group-size", type=int, default=None)
-    p.add_argument("--sink", type=int, default=d.sink)
-    p.add_argument("--keep", type=int, default=d.keep)
-    p.add_argument("--flush", type=int, default=d.flush)
-    p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--fold-values", action="store_true")
-    p.add_argument("--attention", choices=("reference", "pallas"), default=d.attention)
-    p.add_argument("--add-bos", action="store_true")
-    a = p.parse_args(argv)
-    return GenerateConfig(
-        **{f.name: getattr(a, f.name) for f in dataclasses.fields(GenerateConfig)}
-    )
+    parser = cli.dataclass_parser(GenerateConfig, "python -m kvjax.generate", __doc__)
+    return cli.dataclass_from_args(GenerateConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
