@@ -17,7 +17,6 @@ value), <out>/attention_error.md (per-layer means and the module-output error pe
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
@@ -40,15 +39,15 @@ METRICS = ("logit_rel_err", "softmax_rel_err", "output_rel_err", "kl")
 
 @dataclasses.dataclass(frozen=True)
 class AttentionErrorConfig:
-    model: str | None = None
-    calib_dir: str = "runs/calib"
-    methods: tuple[str, ...] = common.ALL_METHODS
-    bits: int = 2
-    quantizer: str = "oscar"
-    seq_len: int = 1024
-    num_windows: int = 2
-    out: str = "runs/eval"  # results/ only when asked (--out results)
-    plot: bool = True
+    model: str | None = cli.option(None, "HF checkpoint dir or .gguf (default: shipped SmolLM2)")
+    calib_dir: str = cli.option("runs/calib", "the --out folder of python -m kvjax.calibrate")
+    methods: tuple[str, ...] = cli.option(common.ALL_METHODS, "transforms to evaluate")
+    bits: int = cli.option(2, "code width (2, 3, 4)")
+    quantizer: str = cli.option("oscar", "oscar, quest or minmax")
+    seq_len: int = cli.option(1024, "tokens per evaluation window")
+    num_windows: int = cli.option(2, "evaluation windows", flag="--windows")
+    out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
+    plot: bool = cli.option(True, "write the PNG plot")
 
     def __post_init__(self):
         common.check_methods(self.methods)
@@ -212,33 +211,8 @@ def main(cfg: AttentionErrorConfig, lm: LoadedModel | None = None) -> dict:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> AttentionErrorConfig:
-    d = AttentionErrorConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m eval.attention_error",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", default=None)
-    p.add_argument("--calib-dir", default=d.calib_dir)
-    p.add_argument("--methods", nargs="+", default=list(d.methods))
-    p.add_argument("--bits", type=int, default=d.bits)
-    p.add_argument("--quantizer", default=d.quantizer)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--windows", type=int, default=d.num_windows, dest="num_windows")
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--no-plot", action="store_true")
-    a = p.parse_args(argv)
-    return AttentionErrorConfig(
-        model=a.model,
-        calib_dir=a.calib_dir,
-        methods=tuple(a.methods),
-        bits=a.bits,
-        quantizer=a.quantizer,
-        seq_len=a.seq_len,
-        num_windows=a.num_windows,
-        out=a.out,
-        plot=not a.no_plot,
-    )
+    parser = cli.dataclass_parser(AttentionErrorConfig, "python -m eval.attention_error", __doc__)
+    return cli.dataclass_from_args(AttentionErrorConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ process is read after each phase. Writes `results/bench_calibration.json` and `.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -33,12 +32,14 @@ from kvjax.models.loading import load_model
 
 @dataclasses.dataclass(frozen=True)
 class BenchCalibrationConfig:
-    model: str | None = None
-    methods: tuple[str, ...] = ("wush", "oscar", "oscar_tokenweight", "wush_a")
-    seq_len: int = 512
-    batch_size: int = 4
-    batches: int = 4  # timed batches per phase (after one warm-up)
-    out: str = "runs/bench_calibration"
+    model: str | None = cli.option(None, "HF checkpoint dir or .gguf (default: shipped SmolLM2)")
+    methods: tuple[str, ...] = cli.option(
+        ("wush", "oscar", "oscar_tokenweight", "wush_a"), "methods whose statistics to time"
+    )
+    seq_len: int = cli.option(512, "tokens per window")
+    batch_size: int = cli.option(4, "windows per batch")
+    batches: int = cli.option(4, "timed batches per phase (after one warm-up)")
+    out: str = cli.option("runs/bench_calibration", "output path stem (.json and .md)")
 
 
 def _peak_rss_mib() -> float:
@@ -130,27 +131,10 @@ def main(cfg: BenchCalibrationConfig) -> dict:
 
 
 def parse_args(argv=None) -> BenchCalibrationConfig:
-    d = BenchCalibrationConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m eval.bench_calibration",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = cli.dataclass_parser(
+        BenchCalibrationConfig, "python -m eval.bench_calibration", __doc__
     )
-    p.add_argument("--model", default=None)
-    p.add_argument("--methods", nargs="+", default=list(d.methods))
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--batches", type=int, default=d.batches)
-    p.add_argument("--out", default=d.out)
-    a = p.parse_args(argv)
-    return BenchCalibrationConfig(
-        model=a.model,
-        methods=tuple(a.methods),
-        seq_len=a.seq_len,
-        batch_size=a.batch_size,
-        batches=a.batches,
-        out=a.out,
-    )
+    return cli.dataclass_from_args(BenchCalibrationConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

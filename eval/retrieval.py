@@ -21,7 +21,6 @@ and <out>/retrieval.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -46,21 +45,23 @@ ANSWER = " {key}"
 
 @dataclasses.dataclass(frozen=True)
 class RetrievalConfig:
-    model: str | None = None
-    calib_dir: str = "runs/calib"
-    methods: tuple[str, ...] = common.ALL_METHODS
-    bits: int = 2
-    quantizer: str = "oscar"
-    windows: tuple[int, int, int] = (64, 256, 16)  # serving defaults sink/keep/flush
-    page_size: int = 16
-    lengths: tuple[int, ...] = (512, 1024, 2000)
-    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    keys_per_depth: int = 1
-    key_digits: int = 5
-    chunk: int = 16  # prefill tokens per call
-    batch_size: int = 5
-    seed: int = 0
-    out: str = "runs/eval"  # results/ only when asked (--out results)
+    model: str | None = cli.option(None, "HF checkpoint dir or .gguf (default: shipped SmolLM2)")
+    calib_dir: str = cli.option("runs/calib", "the --out folder of python -m kvjax.calibrate")
+    methods: tuple[str, ...] = cli.option(common.ALL_METHODS, "transforms to evaluate")
+    bits: int = cli.option(2, "code width (2, 3, 4)")
+    quantizer: str = cli.option("oscar", "oscar, quest or minmax")
+    windows: tuple[int, int, int] = cli.option(
+        (64, 256, 16), "cache windows", metavar=("SINK", "KEEP", "FLUSH")
+    )
+    page_size: int = cli.option(16, "tokens per cache page", cli=False)
+    lengths: tuple[int, ...] = cli.option((512, 1024, 2000), "haystack lengths in tokens")
+    depths: tuple[float, ...] = cli.option((0.1, 0.3, 0.5, 0.7, 0.9), "passkey depths (0-1)")
+    keys_per_depth: int = cli.option(1, "trials per depth")
+    key_digits: int = cli.option(5, "digits of the passkey (1-9)")
+    chunk: int = cli.option(16, "prefill tokens per call")
+    batch_size: int = cli.option(5, "sequences per call")
+    seed: int = cli.option(0, "seed of the passkeys and filler")
+    out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
 
     def __post_init__(self):
         common.check_methods(self.methods)
@@ -239,45 +240,8 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RetrievalConfig:
-    d = RetrievalConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m eval.retrieval",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", default=None)
-    p.add_argument("--calib-dir", default=d.calib_dir)
-    p.add_argument("--methods", nargs="+", default=list(d.methods))
-    p.add_argument("--bits", type=int, default=d.bits)
-    p.add_argument("--quantizer", default=d.quantizer)
-    p.add_argument(
-        "--windows", type=int, nargs=3, default=list(d.windows), metavar=("SINK", "KEEP", "FLUSH")
-    )
-    p.add_argument("--lengths", type=int, nargs="+", default=list(d.lengths))
-    p.add_argument("--depths", type=float, nargs="+", default=list(d.depths))
-    p.add_argument("--keys-per-depth", type=int, default=d.keys_per_depth)
-    p.add_argument("--key-digits", type=int, default=d.key_digits)
-    p.add_argument("--chunk", type=int, default=d.chunk)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", default=d.out)
-    a = p.parse_args(argv)
-    return RetrievalConfig(
-        model=a.model,
-        calib_dir=a.calib_dir,
-        methods=tuple(a.methods),
-        bits=a.bits,
-        quantizer=a.quantizer,
-        windows=tuple(a.windows),
-        lengths=tuple(a.lengths),
-        depths=tuple(a.depths),
-        keys_per_depth=a.keys_per_depth,
-        key_digits=a.key_digits,
-        chunk=a.chunk,
-        batch_size=a.batch_size,
-        seed=a.seed,
-        out=a.out,
-    )
+    parser = cli.dataclass_parser(RetrievalConfig, "python -m eval.retrieval", __doc__)
+    return cli.dataclass_from_args(RetrievalConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
