@@ -36,6 +36,7 @@ hold 128).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import layout
+from pallas_kernels.decode_attention import gpu_triton
 from pallas_kernels.decode_attention import tiles as da
 
 TILE = 64  # tokens per step at least: the M of one warpgroup MMA
@@ -371,10 +373,6 @@ def paged_decode(
     num_stages: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials of both page sets, ``(acc f32[B,Hkv,S+1,g,d], m, l f32[B,Hkv,S+1,g])``."""
-    import dataclasses
-
-    from pallas_kernels.decode_attention import gpu_triton
-
     if query_transform is not None or value_inverse is not None:
         raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     if interpret:
@@ -407,13 +405,6 @@ def paged_decode(
     return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])
 
 
-def head_matmul(x, mat, *, interpret: bool):
-    from pallas_kernels.decode_attention import gpu_triton
-
-    return gpu_triton.head_matmul(x, mat, interpret=interpret)
-
-
-def merge_splits(acc, m, l, value_inverse, *, interpret: bool):
-    from pallas_kernels.decode_attention import gpu_triton
-
-    return gpu_triton.merge_splits(acc, m, l, value_inverse, interpret=interpret)
+# The query-transform prologue and the merge + value-inverse epilogue are the Triton body's.
+head_matmul = gpu_triton.head_matmul
+merge_splits = gpu_triton.merge_splits
