@@ -21,7 +21,6 @@ value), <out>/perplexity.md, and <out>/perplexity.png (perplexity vs bits per tr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import pathlib
@@ -43,23 +42,34 @@ Windows = tuple[int, int, int]  # sink, keep, flush
 
 @dataclasses.dataclass(frozen=True)
 class PerplexityConfig:
-    model: str | None = None  # None = shipped SmolLM2-135M-Instruct
-    calib_dir: str = "runs/calib"  # output of python -m kvjax.calibrate
-    methods: tuple[str, ...] = common.ALL_METHODS
-    bits: tuple[int, ...] = (2, 3, 4)
-    quantizers: tuple[str, ...] = ("oscar", "quest")
-    seq_len: int = 2048
-    num_windows: int = 2
-    chunk: int = 16  # tokens per forward call
-    batch_size: int = 1  # windows per model call
-    protocol: Windows = (16, 128, 16)  # WUSH-KV perplexity windows
-    serving: Windows | None = (64, 256, 16)  # serving defaults, 2 bits, oscar quantizer
-    serving_bits: tuple[int, ...] = (2,)
-    page_size: int = 16
-    engine: str = "simulated"  # or "paged"
-    crosscheck_tokens: int = 0  # >0: also run wush@2 bits through the real paged cache
-    out: str = "runs/eval"  # results/ only when asked (--out results)
-    plot: bool = True
+    model: str | None = cli.option(None, "HF checkpoint dir or .gguf (default: shipped SmolLM2)")
+    calib_dir: str = cli.option("runs/calib", "the --out folder of python -m kvjax.calibrate")
+    methods: tuple[str, ...] = cli.option(common.ALL_METHODS, "transforms to evaluate")
+    bits: tuple[int, ...] = cli.option((2, 3, 4), "code widths")
+    quantizers: tuple[str, ...] = cli.option(("oscar", "quest"), "oscar, quest, minmax")
+    seq_len: int = cli.option(2048, "tokens per evaluation window")
+    num_windows: int = cli.option(2, "evaluation windows", flag="--windows")
+    chunk: int = cli.option(16, "tokens per forward call")
+    batch_size: int = cli.option(1, "windows per model call")
+    protocol: Windows = cli.option(
+        (16, 128, 16), "WUSH-KV perplexity windows", metavar=("SINK", "KEEP", "FLUSH")
+    )
+    serving: Windows | None = cli.option(
+        (64, 256, 16),
+        "serving windows of the extra column (oscar quantizer)",
+        metavar=("SINK", "KEEP", "FLUSH"),
+        none_flag="--no-serving",
+    )
+    serving_bits: tuple[int, ...] = cli.option((2,), "code widths of the serving column")
+    page_size: int = cli.option(16, "tokens per cache page")
+    engine: str = cli.option(
+        "simulated", "the simulated cache or the real paged one", choices=("simulated", "paged")
+    )
+    crosscheck_tokens: int = cli.option(
+        0, ">0: also run wush at 2 bits through the real paged cache"
+    )
+    out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
+    plot: bool = cli.option(True, "write the PNG plot")
 
     def __post_init__(self):
         common.check_methods(self.methods)
@@ -309,54 +319,8 @@ def main(cfg: PerplexityConfig, lm: LoadedModel | None = None) -> dict:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PerplexityConfig:
-    d = PerplexityConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m eval.perplexity",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", default=None)
-    p.add_argument("--calib-dir", default=d.calib_dir)
-    p.add_argument("--methods", nargs="+", default=list(d.methods))
-    p.add_argument("--bits", type=int, nargs="+", default=list(d.bits))
-    p.add_argument("--quantizers", nargs="+", default=list(d.quantizers))
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--windows", type=int, default=d.num_windows, dest="num_windows")
-    p.add_argument("--chunk", type=int, default=d.chunk)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument(
-        "--protocol", type=int, nargs=3, default=list(d.protocol), metavar=("SINK", "KEEP", "FLUSH")
-    )
-    p.add_argument(
-        "--serving", type=int, nargs=3, default=list(d.serving), metavar=("SINK", "KEEP", "FLUSH")
-    )
-    p.add_argument("--no-serving", action="store_true")
-    p.add_argument("--serving-bits", type=int, nargs="+", default=list(d.serving_bits))
-    p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--engine", choices=("simulated", "paged"), default=d.engine)
-    p.add_argument("--crosscheck-tokens", type=int, default=d.crosscheck_tokens)
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--no-plot", action="store_true")
-    a = p.parse_args(argv)
-    return PerplexityConfig(
-        model=a.model,
-        calib_dir=a.calib_dir,
-        methods=tuple(a.methods),
-        bits=tuple(a.bits),
-        quantizers=tuple(a.quantizers),
-        seq_len=a.seq_len,
-        num_windows=a.num_windows,
-        chunk=a.chunk,
-        batch_size=a.batch_size,
-        protocol=tuple(a.protocol),
-        serving=None if a.no_serving else tuple(a.serving),
-        serving_bits=tuple(a.serving_bits),
-        page_size=a.page_size,
-        engine=a.engine,
-        crosscheck_tokens=a.crosscheck_tokens,
-        out=a.out,
-        plot=not a.no_plot,
-    )
+    parser = cli.dataclass_parser(PerplexityConfig, "python -m eval.perplexity", __doc__)
+    return cli.dataclass_from_args(PerplexityConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

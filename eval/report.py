@@ -18,7 +18,6 @@ calibration plays.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import time
@@ -38,14 +37,18 @@ QUICK_METHODS = ("identity", "hadamard", "oscar", "wush")
 
 @dataclasses.dataclass(frozen=True)
 class ReportConfig:
-    quick: bool = False
-    model: str | None = None
-    calib_dir: str = "runs/calib"
-    out: str = "runs/report"
-    results_md: str | None = None  # None: <out>/RESULTS.md
-    ppl_windows: int = 1  # 2048-token windows for the full grid (CPU budget)
-    memory_context: int = 32768  # tokens per sequence for the memory comparison
-    run: tuple[str, ...] = ("perplexity", "attention_error", "retrieval")
+    quick: bool = cli.option(False, "smoke run: quick methods found in --calib-dir, short windows")
+    model: str | None = cli.option(None, "HF checkpoint dir or .gguf (default: shipped SmolLM2)")
+    calib_dir: str = cli.option("runs/calib", "the --out folder of python -m kvjax.calibrate")
+    out: str = cli.option("runs/report", "folder for the JSON/markdown/PNG files")
+    results_md: str | None = cli.option(None, "report path (default: <out>/RESULTS.md)")
+    ppl_windows: int = cli.option(1, "2048-token windows for the full perplexity grid")
+    memory_context: int = cli.option(32768, "tokens per sequence for the memory comparison")
+    run: tuple[str, ...] = cli.option(
+        ("perplexity", "attention_error", "retrieval"),
+        "evaluations to run",
+        choices=("perplexity", "attention_error", "retrieval"),
+    )
 
 
 def memory_report(model_cfg: ModelConfig, context: int, bits: int = 2) -> dict:
@@ -280,36 +283,8 @@ def main(cfg: ReportConfig) -> dict:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ReportConfig:
-    d = ReportConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m eval.report",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--model", default=None)
-    p.add_argument("--calib-dir", default=d.calib_dir)
-    p.add_argument("--out", default=d.out, help="folder for the JSON/markdown/PNG files")
-    p.add_argument("--results-md", default=None, help="report path (default <out>/RESULTS.md)")
-    p.add_argument("--ppl-windows", type=int, default=d.ppl_windows)
-    p.add_argument("--memory-context", type=int, default=d.memory_context)
-    p.add_argument(
-        "--run",
-        nargs="+",
-        default=list(d.run),
-        choices=("perplexity", "attention_error", "retrieval"),
-    )
-    a = p.parse_args(argv)
-    return ReportConfig(
-        quick=a.quick,
-        model=a.model,
-        calib_dir=a.calib_dir,
-        out=a.out,
-        results_md=a.results_md,
-        ppl_windows=a.ppl_windows,
-        memory_context=a.memory_context,
-        run=tuple(a.run),
-    )
+    parser = cli.dataclass_parser(ReportConfig, "python -m eval.report", __doc__)
+    return cli.dataclass_from_args(ReportConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ def run(
 def option(default: Any = None, help: str = "", **meta: Any) -> Any:
     """A config field that is also a command-line option.
 
-    ``meta`` may set ``flag`` (default ``--field-name``), ``choices``, ``metavar``, or
+    ``meta`` may set ``flag`` (default ``--field-name``), ``choices``, ``metavar``,
+    ``none_flag`` (an extra flag that sets the field to None, e.g. ``--no-serving``), or
     ``cli=False`` (a field with no option). Mutable defaults are not allowed (configs are
     frozen dataclasses of scalars and tuples).
     """
@@ -97,6 +98,16 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
         help_text = meta.pop("help", "")
+        none_flag = meta.pop("none_flag", None)
+        if none_flag is not None:
+            parser.add_argument(
+                none_flag,
+                dest=f.name,
+                action="store_const",
+                const=None,
+                default=argparse.SUPPRESS,  # the field's own option sets the default
+                help=f"no {flag[2:]}",
+            )
         kind, elem, nargs = _kind(hints[f.name])
         default = f.default
         shown = " ".join(map(str, default)) if isinstance(default, tuple) else default

@@ -57,3 +57,25 @@ def test_generate_checks_options_before_loading(argv, msg, monkeypatch, capsys):
         cli.run(gen.main, gen.parse_args, argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err.splitlines()[0]
+
+
+def test_dataclass_parsers_default_to_the_config_and_round_trip():
+    from calib import calibrate as cal
+    from eval import attention_error, bench_calibration, perplexity, report, retrieval
+
+    for mod, cls in (
+        (cal, cal.CalibrateConfig),
+        (gen, gen.GenerateConfig),
+        (attention_error, attention_error.AttentionErrorConfig),
+        (retrieval, retrieval.RetrievalConfig),
+        (bench_calibration, bench_calibration.BenchCalibrationConfig),
+        (perplexity, perplexity.PerplexityConfig),
+        (report, report.ReportConfig),
+    ):
+        assert mod.parse_args([]) == cls(), cls.__name__
+    c = cal.parse_args(["--method", "wush", "oscar", "--bits", "2", "4", "--no-progress"])
+    assert (c.methods, c.bits, c.progress) == (("wush", "oscar"), (2, 4), False)
+    p = perplexity.parse_args(["--no-serving", "--windows", "3", "--protocol", "8", "64", "8"])
+    assert (p.serving, p.num_windows, p.protocol) == (None, 3, (8, 64, 8))
+    with pytest.raises(SystemExit):  # argparse rejects a choice outside the list
+        report.parse_args(["--run", "everything"])
