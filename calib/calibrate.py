@@ -123,11 +123,7 @@ def validate(cfg: CalibrateConfig) -> None:
         cfg.batch_size % cfg.data_parallel == 0,
         f"--batch-size {cfg.batch_size} must be a multiple of --data-parallel {cfg.data_parallel}",
     )
-    for flag, path in (("--data", cfg.data), ("--model", cfg.model)):
-        cli.check(
-            path is None or pathlib.Path(path).expanduser().exists(),
-            f"{flag} {path!r} does not exist",
-        )
+    cli.check_paths_exist(data=cfg.data, model=cfg.model)
     cli.check(not pathlib.Path(cfg.out).is_file(), f"--out {cfg.out!r} is a file, not a directory")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 import sys
 import types
 import typing
@@ -35,6 +36,17 @@ def check(ok: bool, message: str) -> None:
     """`fail(message)` unless ``ok``."""
     if not ok:
         fail(message)
+
+
+def check_paths_exist(**paths: str | None) -> None:
+    """`fail` for the first given path that does not exist (``data=...`` names ``--data``)."""
+
+    for name, path in paths.items():
+        flag = "--" + name.replace("_", "-")
+        check(
+            path is None or pathlib.Path(path).expanduser().exists(),
+            f"{flag} {path!r} does not exist",
+        )
 
 
 def run(

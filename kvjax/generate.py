@@ -73,11 +73,7 @@ def validate(cfg: GenerateConfig) -> None:
     cli.check(
         cfg.group_size is None or cfg.group_size > 0, f"--group-size {cfg.group_size}: must be > 0"
     )
-    for flag, path in (("--model", cfg.model), ("--transforms", cfg.transforms)):
-        cli.check(
-            path is None or pathlib.Path(path).expanduser().exists(),
-            f"{flag} {path!r} does not exist",
-        )
+    cli.check_paths_exist(model=cfg.model, transforms=cfg.transforms)
     cli.check(
         cfg.prompt_file is None or pathlib.Path(cfg.prompt_file).is_file(),
         f"--prompt-file {cfg.prompt_file!r} is not a file",
