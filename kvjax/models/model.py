@@ -286,6 +286,7 @@ class Transformer(nnx.Module):
         tokens: jax.Array,  # i32[B, T]
         cache: Any | None = None,
         positions: jax.Array | None = None,  # i32[B, T]; default: cache lengths + arange(T)
+        logits_at: jax.Array | None = None,  # i32[B]: only this position's logits ([B, 1, V])
     ) -> tuple[jax.Array, Any | None]:
         b, t = tokens.shape
         if positions is None:
@@ -297,6 +298,8 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x, cache = layer(x, positions, rope, cache)
+        if logits_at is not None:  # serving: a [B, T, V] logits tensor is the largest one
+            x = x[jnp.arange(b), logits_at][:, None]
         x = self.norm(x)
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)

@@ -1,18 +1,36 @@
-"""Prefill + decode loops over any cache, jit-compiled, with greedy / temperature / top-p sampling.
+"""The serving engine: requests in, streamed tokens out, over the paged low-bit cache (or a dense
+full-precision cache for comparison).
 
-`Engine` owns the jitted step (`nnx.merge` inside `jax.jit`, the cache donated) and, for the
-paged cache, the host `PageManager` that plans each step. Library use:
+    lm = kvjax.load_model()
+    eng = Engine(lm.model, cache_kind="paged", transforms=tf, cache_cfg=CacheConfig(...),
+                 engine_cfg=EngineConfig(kv_memory_gb=2.0), tokenizer=lm.tokenizer)
+    req = eng.submit("The capital of France is", max_new_tokens=8)
+    for r, token in eng.stream():  # or eng.run(); or eng.generate([...]) for a batch
+        ...
 
-    lm = kvjax.load_model()                 # shipped SmolLM2
-    eng = Engine(lm.model, cache_kind="paged", transforms=tf, cache_cfg=CacheConfig(...))
-    out = eng.generate([lm.tokenizer.encode("The capital of France is")], max_new_tokens=8)
+One scheduler iteration (`Engine.step`), the policy in full:
+1. Admission, first come first served. The queue's head is admitted while a row is free and the
+   pools hold its prompt (less any shared prefix) plus a reserve of one decode window for every
+   running sequence. With prefix sharing it first adopts the longest registered prefix.
+2. Prefill. Admitted requests get one chunk each, up to `prefill_tokens_per_step` tokens in one
+   call. Chunks end at multiples of `prefill_chunk`, so a request's tokens are split at the
+   same positions whatever else runs; that is what lets a prefix registered by one request
+   stand for another's. A request whose last chunk ran draws its first token.
+3. Decode. Every decoding sequence runs up to `decode_steps` single-token steps in one device
+   loop (sampling, stop and length checks on device; the page plans of all steps made ahead on
+   the host), then one host sync hands the tokens back.
+When pages run short: evict least recently used prefix entries, then preempt the most recently
+admitted sequence (pages freed; it re-prefills its prompt and output when readmitted). A
+request that could never fit the pools is refused at `submit`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import jax
@@ -20,29 +38,102 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache.allocator import PageManager
+from kvjax.cache.allocator import PageManager, PagePoolExhausted
 from kvjax.cache.dense import DenseKVCache
-from kvjax.cache.paged import CacheConfig, PagedKVCache
+from kvjax.cache.paged import CacheConfig, PagedKVCache, StepPlan
 from kvjax.cache.transforms import KVTransforms
 from kvjax.models.model import Transformer
-from kvjax.serving.sampling import sample_next
+from kvjax.serving.sampling import SamplingParams, base_key, sample_rows
+
+MAX_STOP_IDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling and memory policy.
+
+    Attributes:
+      max_seqs: sequences running at once (rows of a decode call).
+      prefill_chunk: tokens per prefill chunk; a multiple of the cache's page size.
+      prefill_tokens_per_step: token budget of one prefill call (a multiple of prefill_chunk).
+      decode_steps: decode steps per host sync.
+      kv_memory_gb: bytes for the cache pools; None sizes them so every row reaches
+        max_seq_len (or takes the CacheConfig's pool sizes).
+      prefix_sharing: register and adopt shared prompt prefixes (paged cache only).
+    """
+
+    max_seqs: int = 8
+    prefill_chunk: int = 512
+    prefill_tokens_per_step: int = 2048
+    decode_steps: int = 16
+    kv_memory_gb: float | None = None
+    prefix_sharing: bool = True
+
+    def __post_init__(self):
+        for name in ("max_seqs", "prefill_chunk", "prefill_tokens_per_step", "decode_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.prefill_tokens_per_step % self.prefill_chunk:
+            raise ValueError(
+                f"prefill_tokens_per_step={self.prefill_tokens_per_step} must be a multiple "
+                f"of prefill_chunk={self.prefill_chunk}"
+            )
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"kv_memory_gb={self.kv_memory_gb}: must be > 0")
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and its state; `output` grows as tokens arrive."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: tuple[int, ...]
+    on_token: Callable[[Request, int], None] | None = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    status: Literal["waiting", "running", "finished"] = "waiting"
+    finish_reason: Literal["stop", "length"] | None = None
+    preemptions: int = 0
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    # scheduler state
+    seq: int | None = None  # sequence id (paged) or slot (dense)
+    computed: int = 0  # tokens in the cache
+    decoding: bool = False  # cache holds every token but the last output one
+    admitted: int = 0  # admission order, for the preemption choice
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return self.status == "finished"
 
 
 @dataclasses.dataclass
 class GenerationResult:
-    tokens: list[list[int]]  # generated ids per sequence (prompt excluded)
+    tokens: list[list[int]]  # generated ids per prompt (prompt excluded)
     prefill_seconds: float
     decode_seconds: float
-    decode_steps: int
+    decode_steps: int  # decode steps run (each one token for every running sequence)
+    decode_tokens: int
 
     @property
     def decode_tokens_per_second(self) -> float:
-        n = self.decode_steps * len(self.tokens)
-        return n / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Rows of a call: the next power of two (few compiled shapes), at most cap."""
+    return min(cap, 1 << max(0, n - 1).bit_length())
 
 
 class Engine:
-    """Runs a model with a dense full-precision cache or the paged low-bit cache."""
+    """Serves requests on one model with a paged (low-bit or full-precision) or dense cache."""
 
     def __init__(
         self,
@@ -51,57 +142,207 @@ class Engine:
         cache_kind: Literal["dense", "paged"] = "dense",
         transforms: KVTransforms | None = None,
         cache_cfg: CacheConfig | None = None,
-        prefill_chunk: int = 512,
+        engine_cfg: EngineConfig | None = None,
+        tokenizer=None,
+        prefill_chunk: int | None = None,
     ):
         if cache_kind not in ("dense", "paged"):
             raise ValueError(f"cache_kind={cache_kind!r}; use 'dense' or 'paged'")
-        self.model = model
-        self.cfg = model.cfg
-        self.cache_kind = cache_kind
+        ecfg = engine_cfg or EngineConfig()
+        if prefill_chunk is not None:
+            ecfg = dataclasses.replace(
+                ecfg, prefill_chunk=prefill_chunk,
+                prefill_tokens_per_step=prefill_chunk * max(1, ecfg.max_seqs),
+            )
+        self.model, self.cfg, self.cache_kind = model, model.cfg, cache_kind
+        self.ecfg, self.tokenizer = ecfg, tokenizer
         self.cache_cfg = cache_cfg or CacheConfig()
+        if cache_kind == "paged" and ecfg.prefill_chunk % self.cache_cfg.page_size:
+            raise ValueError(
+                f"prefill_chunk={ecfg.prefill_chunk} must be a multiple of "
+                f"page_size={self.cache_cfg.page_size}"
+            )
         self.transforms = transforms if transforms is not None else KVTransforms.identity(self.cfg)
         self.transforms.check_matches(self.cfg)
-        self.prefill_chunk = prefill_chunk
         self.graphdef, self.params = nnx.split(model)
+        self._build_cache()
+        self._prefill_fn = jax.jit(self._prefill, donate_argnums=(2,))
+        self._window_fn = jax.jit(self._window, donate_argnums=(2,))
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self._ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._admissions = itertools.count()
+        self.stats = collections.Counter()
+        self.peak_running = 0
 
-        def step(params, tokens, cache, transforms):
-            # Transforms travel beside the donated cache: donating them would free the
-            # caller's copy after the first step on GPU/TPU.
-            if transforms is not None:
-                cache = cache.replace(transforms=transforms)
-            m = nnx.merge(self.graphdef, params)
-            logits, cache = m(tokens, cache)
-            if transforms is not None:
-                cache = cache.replace(transforms=None)
-            return logits[:, -1], cache
-
-        self._step = jax.jit(step, donate_argnums=(2,))
-        self.manager: PageManager | None = None
-
-    def new_cache(self, batch_size: int, max_len: int):
+    # ---- pools ---------------------------------------------------------------------------
+    def _build_cache(self) -> None:
+        ecfg, ccfg = self.ecfg, self.cache_cfg
+        budget = None if ecfg.kv_memory_gb is None else int(ecfg.kv_memory_gb * 2**30)
         if self.cache_kind == "dense":
-            return DenseKVCache.create(self.cfg, batch_size, max_len, self.model.dtype)
-        ccfg = dataclasses.replace(self.cache_cfg, max_seq_len=max_len)
-        cache = PagedKVCache.create(self.cfg, ccfg, self.transforms, batch_size)
-        self.manager = PageManager(cache)
-        return cache
-
-    def run_chunk(self, cache, tokens: np.ndarray):
-        """One model call on `tokens` i32[B, T] appended to every sequence of `cache`."""
-        if self.cache_kind == "dense":
-            need = int(np.max(np.asarray(cache.lengths))) + tokens.shape[1]
-            if need > cache.max_len:
+            self._dense_len = ccfg.max_seq_len + ecfg.prefill_chunk  # writes never clamp
+            per_slot = (
+                2 * self.cfg.num_layers * self._dense_len * self.cfg.num_kv_heads
+                * self.cfg.head_dim * jnp.dtype(self.model.dtype).itemsize
+            )
+            slots = ecfg.max_seqs if budget is None else min(ecfg.max_seqs, budget // per_slot)
+            if slots < 1:
                 raise ValueError(
-                    f"dense cache of max_len={cache.max_len} cannot take {need} tokens"
+                    f"kv_memory_gb={ecfg.kv_memory_gb} holds no dense row of "
+                    f"{self._dense_len} tokens ({per_slot / 2**30:.2f} GiB each)"
                 )
+            self.num_slots = int(slots)
+            self.free_slots = list(range(self.num_slots - 1, -1, -1))
+            self.cache = DenseKVCache.create(
+                self.cfg, self.num_slots, self._dense_len, self.model.dtype
+            )
+            self.manager = None
+            return
+        if budget is not None:
+            fp_bytes, low_bytes = self._page_bytes()
+            n_fp = ecfg.max_seqs * ccfg.fp_pages_per_seq()
+            n_fp = max(1, min(n_fp, budget // 2 // fp_bytes))
+            n_low = (budget - n_fp * fp_bytes) // low_bytes
+            if n_low < 1:
+                raise ValueError(f"kv_memory_gb={ecfg.kv_memory_gb} leaves no low-bit pages")
+            ccfg = dataclasses.replace(ccfg, num_fp_pages=int(n_fp), num_lowbit_pages=int(n_low))
         else:
-            cache = self.manager.prepare(cache, tokens.shape[1])
-        tokens = jnp.asarray(tokens, jnp.int32)
-        if self.cache_kind == "dense":
-            return self._step(self.params, tokens, cache, None)
-        tf = cache.transforms
-        logits, cache = self._step(self.params, tokens, cache.replace(transforms=None), tf)
-        return logits, cache.replace(transforms=tf)
+            ccfg = dataclasses.replace(
+                ccfg,
+                num_fp_pages=ccfg.num_fp_pages or ecfg.max_seqs * ccfg.fp_pages_per_seq(),
+                num_lowbit_pages=ccfg.num_lowbit_pages
+                or max(1, ecfg.max_seqs * ccfg.lowbit_pages_per_seq()),
+            )
+        self.cache_cfg = ccfg
+        self.num_slots = ecfg.max_seqs
+        tf = self.transforms
+        self.cache = PagedKVCache.create(self.cfg, ccfg, tf, 1).replace(transforms=None)
+        self.manager = PageManager(cfg=ccfg, num_fp_pages=self.cache.num_fp_pages,
+                                   num_lowbit_pages=self.cache.num_lowbit_pages)
+
+    def _page_bytes(self) -> tuple[int, int]:
+        """Bytes of one full-precision and one low-bit page over all layers, K and V."""
+        one = dataclasses.replace(self.cache_cfg, num_fp_pages=1, num_lowbit_pages=1)
+        shape = jax.eval_shape(lambda: PagedKVCache.create(self.cfg, one, self.transforms, 1))
+        per = [(pl.k_fp, pl.v_fp) for pl in shape.pools], [pl.k_low + pl.v_low for pl in shape.pools]
+        fp, low = (sum(x.size * x.dtype.itemsize for g in grp for x in g) for grp in per)
+        return int(fp), int(low)
+
+    def _keep(self, cache) -> None:
+        """Stores the cache between calls in one shape (no plan, one length) so that the
+        jitted calls see the same input signature whatever ran before."""
+        if self.cache_kind == "paged":
+            cache = cache.replace(plan=None, lengths=jnp.zeros((1,), jnp.int32))
+        self.cache = cache
+
+    def allocated_bytes(self) -> int:
+        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self.cache))
+
+    # ---- device functions ----------------------------------------------------------------
+    def _call_model(self, params, tf, cache, tokens, logits_at=None):
+        # Transforms travel beside the donated cache: donating them would free the caller's copy.
+        if self.cache_kind == "paged":
+            cache = cache.replace(transforms=tf)
+        logits, cache = nnx.merge(self.graphdef, params)(tokens, cache, logits_at=logits_at)
+        if self.cache_kind == "paged":
+            cache = cache.replace(transforms=None)
+        return logits[:, 0], cache
+
+    def _prefill(self, params, tf, cache, tokens, logits_at, samp):
+        logits, cache = self._call_model(params, tf, cache, tokens, logits_at)
+        index = cache.lengths - tokens.shape[1] + logits_at + 1
+        return sample_rows(logits, samp["keys"], index, samp["temperature"], samp["top_k"],
+                           samp["top_p"]), cache
+
+    def _window(self, params, tf, cache, steps, tok0, samp, count0, max_new, stop_ids):
+        def body(carry, xs):
+            cache, tok, count, done = carry
+            if self.cache_kind == "paged":
+                cache = cache.replace(plan=StepPlan(**xs["plan"]), lengths=xs["lengths"])
+            else:
+                cache = cache.replace(lengths=xs["lengths"])
+            logits, cache = self._call_model(params, tf, cache, tok[:, None])
+            nxt = sample_rows(logits, samp["keys"], xs["lengths"] + 1, samp["temperature"],
+                              samp["top_k"], samp["top_p"])
+            emit = xs["active"] & ~done
+            count = count + emit
+            stop = jnp.any(nxt[:, None] == stop_ids, axis=-1)
+            done = done | (emit & (stop | (count >= max_new)))
+            return (cache, jnp.where(emit, nxt, tok), count, done), (nxt, emit)
+
+        if self.cache_kind == "paged":
+            first = jax.tree.map(lambda x: x[0], steps["plan"])
+            cache = cache.replace(plan=StepPlan(**first), lengths=steps["lengths"][0])
+        done0 = jnp.zeros(tok0.shape, bool)
+        (cache, _, _, done), (toks, emits) = jax.lax.scan(
+            body, (cache, tok0, count0, done0), steps
+        )
+        return toks, emits, done, cache
+
+    # ---- requests ------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_ids: Sequence[int] | None = None,
+        on_token: Callable[[Request, int], None] | None = None,
+    ) -> Request:
+        """Queues a request; raises ValueError when it is malformed or can never fit."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs Engine(..., tokenizer=...)")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(x) for x in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [x for x in ids if not 0 <= x < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        if stop_ids is None:
+            stop_ids = tuple(getattr(self.tokenizer, "eos_ids", ()) or ())
+        stop_ids = tuple(int(x) for x in stop_ids)
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(stop_ids)} stop ids; at most {MAX_STOP_IDS}")
+        total = len(ids) + max_new_tokens
+        if total > self.cache_cfg.max_seq_len:
+            raise ValueError(
+                f"prompt {len(ids)} + max_new_tokens {max_new_tokens} = {total} tokens exceeds "
+                f"max_seq_len={self.cache_cfg.max_seq_len}"
+            )
+        if self.manager is not None:
+            self.manager.check_fits(total)
+        req = Request(
+            id=next(self._ids), prompt=ids, max_new_tokens=max_new_tokens,
+            sampling=sampling or SamplingParams(), stop_ids=stop_ids, on_token=on_token,
+            submitted_at=time.perf_counter(),
+        )
+        self.waiting.append(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self) -> list[Request]:
+        """Steps until every submitted request has finished; returns them in finishing order."""
+        start = len(self.finished)
+        while self.has_work:
+            self.step()
+        return self.finished[start:]
+
+    def stream(self) -> Iterator[tuple[Request, int]]:
+        """Yields (request, token) as tokens arrive, until every request has finished."""
+        while self.has_work:
+            for req, toks in self.step():
+                for t in toks:
+                    yield req, t
 
     def generate(
         self,
@@ -110,48 +351,259 @@ class Engine:
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         seed: int = 0,
         eos_ids: Sequence[int] = (),
     ) -> GenerationResult:
-        """Generates for a batch of equal-length prompts; stops early when all hit EOS."""
-        lens = {len(p) for p in prompts}
-        if len(lens) != 1 or 0 in lens:
-            raise ValueError(f"prompts must be non-empty and of equal length, got {sorted(lens)}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature={temperature} must be >= 0, top_p={top_p} in (0, 1]")
-        tokens = np.asarray(prompts, np.int32)
-        b, t = tokens.shape
-        cache = self.new_cache(b, t + max_new_tokens)
-        t0 = time.perf_counter()
-        logits = None
-        for i in range(0, t, self.prefill_chunk):
-            logits, cache = self.run_chunk(cache, tokens[:, i : i + self.prefill_chunk])
-        logits.block_until_ready()
-        t1 = time.perf_counter()
-        key = jax.random.key(seed)
-        out = np.zeros((b, 0), np.int32)
-        done = np.zeros((b,), bool)
-        steps = 0
-        t_first = None  # decode timing starts after the first step, which includes compilation
-        for _ in range(max_new_tokens):
-            key, sub = jax.random.split(key)
-            nxt = np.asarray(sample_next(logits, sub, temperature, top_p))
-            out = np.concatenate([out, nxt[:, None]], axis=1)
-            done |= np.isin(nxt, list(eos_ids))
-            if done.all() or out.shape[1] == max_new_tokens:
+        """Submits every prompt (request i samples with seed + i) and runs them to the end."""
+        before = dict(self.stats)
+        reqs = [
+            self.submit(
+                p, max_new_tokens, stop_ids=eos_ids,
+                sampling=SamplingParams(temperature, top_k, top_p, seed + i),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        self.run()
+
+        def delta(k):
+            return self.stats[k] - before.get(k, 0)
+
+        return GenerationResult(
+            tokens=[r.output for r in reqs],
+            prefill_seconds=delta("prefill_seconds"),
+            decode_seconds=delta("decode_seconds"),
+            decode_steps=int(delta("decode_steps")),
+            decode_tokens=int(delta("decode_tokens")),
+        )
+
+    # ---- one scheduler iteration ---------------------------------------------------------
+    def step(self) -> list[tuple[Request, list[int]]]:
+        """Admits, runs one prefill call and one decode window; returns the new tokens."""
+        events: dict[int, tuple[Request, list[int]]] = {}
+        self._admit()
+        self._prefill_step(events)
+        self._decode_window(events)
+        self.peak_running = max(self.peak_running, len(self.running))
+        return list(events.values())
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.num_slots:
+            req = self.waiting[0]
+            if not self._try_place(req):
                 break
-            logits, cache = self.run_chunk(cache, nxt[:, None])
-            if t_first is None:
-                logits.block_until_ready()
-                t_first = time.perf_counter()
-            else:
-                steps += 1
-        if t_first is not None:
-            logits.block_until_ready()
-        t2 = time.perf_counter()
-        result = []
-        for row in out.tolist():
-            cut = next((i + 1 for i, x in enumerate(row) if x in eos_ids), len(row))
-            result.append(row[:cut])
-        self.last_cache = cache
-        return GenerationResult(result, t1 - t0, (t2 - t_first) if t_first else 0.0, steps)
+            self.waiting.popleft()
+            req.status, req.admitted = "running", next(self._admissions)
+            self.running.append(req)
+            self.stats["admitted"] += 1
+
+    def _try_place(self, req: Request) -> bool:
+        """Gives `req` a sequence (paged) or slot (dense) when the pools can take it."""
+        if self.manager is None:
+            req.seq, req.computed = self.free_slots.pop(), 0
+            return True
+        mgr, c = self.manager, self.ecfg.prefill_chunk
+        seq = next(self._seq_ids)
+        mgr.add(seq)
+        shared = 0
+        if self.ecfg.prefix_sharing:
+            shared = mgr.adopt_prefix(seq, req.tokens, range(c, len(req.tokens), c))
+        need_fp, need_low = (
+            a - b for a, b in zip(mgr.pages_for(len(req.tokens)), mgr.pages_for(shared))
+        )
+        n = len(self.running)
+        window = -(-self.ecfg.decode_steps // self.cache_cfg.page_size) + 1
+        while True:
+            free_fp, free_low = mgr.free_pages()
+            if need_fp + n * window <= free_fp and need_low + n * window <= free_low:
+                break
+            if n == 0 and need_fp <= free_fp and need_low <= free_low:
+                break  # alone it fits (submit checked); the reserve is for company
+            if not mgr.evict_prefix():
+                mgr.free(seq)
+                return False
+        req.seq, req.computed = seq, shared
+        self.stats["prefix_tokens_shared"] += shared
+        return True
+
+    def _release(self, req: Request) -> None:
+        if self.manager is None:
+            self.free_slots.append(req.seq)
+        else:
+            self.manager.free(req.seq)
+        req.seq = None
+
+    def _preempt(self, victim: Request) -> None:
+        """Frees `victim`'s pages and queues it first; it re-prefills prompt + output later."""
+        self.running.remove(victim)
+        self._release(victim)
+        victim.status, victim.computed, victim.decoding = "waiting", 0, False
+        victim.preemptions += 1
+        self.waiting.appendleft(victim)
+        self.stats["preemptions"] += 1
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status, req.finish_reason, req.finished_at = "finished", reason, time.perf_counter()
+        self.finished.append(req)
+
+    def _emit(self, req: Request, token: int, events: dict) -> bool:
+        """Appends a token; returns True when the request finished with it."""
+        req.output.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        events.setdefault(req.id, (req, []))[1].append(token)
+        if req.on_token is not None:
+            req.on_token(req, token)
+        if token in req.stop_ids:
+            self._finish(req, "stop")
+            return True
+        if len(req.output) >= req.max_new_tokens:
+            self._finish(req, "length")
+            return True
+        return False
+
+    def _sampling_arrays(self, reqs: Sequence[Request | None]) -> dict:
+        keys = np.zeros((len(reqs), 2), np.uint32)
+        temp = np.zeros((len(reqs),), np.float32)
+        top_k = np.zeros((len(reqs),), np.int32)
+        top_p = np.ones((len(reqs),), np.float32)
+        for i, r in enumerate(reqs):
+            if r is not None:
+                keys[i] = base_key(r.sampling.seed)
+                temp[i], top_k[i], top_p[i] = (
+                    r.sampling.temperature, r.sampling.top_k, r.sampling.top_p
+                )
+        return dict(keys=keys, temperature=temp, top_k=top_k, top_p=top_p)
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def _prefill_step(self, events: dict) -> None:
+        c = self.ecfg.prefill_chunk
+        pending = [r for r in self.running if not r.decoding]
+        pending = pending[: self.ecfg.prefill_tokens_per_step // c]
+        while pending:
+            chunks = [min(len(r.tokens), (r.computed // c + 1) * c) - r.computed for r in pending]
+            try:
+                self._run_prefill(pending, chunks, events)
+                return
+            except PagePoolExhausted:
+                if self.manager.evict_prefix():
+                    continue
+                victim = max(self.running, key=lambda r: r.admitted)
+                self._preempt(victim)
+                if victim in pending:
+                    pending.remove(victim)
+
+    def _run_prefill(self, reqs: list[Request], chunks: list[int], events: dict) -> None:
+        c = self.ecfg.prefill_chunk
+        if self.manager is None:
+            rows: list[Request | None] = [None] * self.num_slots
+            for r in reqs:
+                rows[r.seq] = r
+            counts = [0] * self.num_slots
+            lengths = np.zeros((self.num_slots,), np.int32)
+            for r in self.running:
+                lengths[r.seq] = r.computed
+            for r, n in zip(reqs, chunks):
+                counts[r.seq] = n
+            cache = self.cache.replace(lengths=jnp.asarray(lengths))
+        else:
+            nrows = _bucket(len(reqs), self.num_slots)
+            rows = list(reqs) + [None] * (nrows - len(reqs))
+            counts = chunks + [0] * (nrows - len(reqs))
+            arrs, lengths = self.manager.plan_step(
+                [None if r is None else r.seq for r in rows], counts, tokens=c
+            )
+            plan = StepPlan(**{k: jnp.asarray(v) for k, v in arrs.items()})
+            cache = self.cache.replace(plan=plan, lengths=jnp.asarray(lengths))
+        tokens = np.zeros((len(rows), c), np.int32)
+        last = np.zeros((len(rows),), np.int32)
+        for i, (r, n) in enumerate(zip(rows, counts)):
+            if r is not None and n:
+                tokens[i, :n] = r.tokens[r.computed : r.computed + n]
+                last[i] = n - 1
+        t0 = time.perf_counter()
+        nxt, cache = self._prefill_fn(
+            self.params, self.transforms, cache, jnp.asarray(tokens), jnp.asarray(last),
+            self._sampling_arrays(rows),
+        )
+        self._keep(cache)
+        nxt = np.asarray(nxt)
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_tokens"] += sum(chunks)
+        for i, (r, n) in enumerate(zip(rows, counts)):
+            if r is None or not n:
+                continue
+            r.computed += n
+            if self.manager is not None and self.ecfg.prefix_sharing and r.computed % c == 0:
+                self.manager.register_prefix(r.seq, r.tokens[: r.computed])
+            if r.computed == len(r.tokens):
+                r.decoding = True
+                self._emit(r, int(nxt[i]), events)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def _decode_window(self, events: dict) -> None:
+        while True:
+            reqs = [r for r in self.running if r.decoding]
+            if not reqs:
+                return
+            left = [r.max_new_tokens - len(r.output) for r in reqs]
+            n_steps = _bucket(max(left), self.ecfg.decode_steps)
+            try:
+                self._run_window(reqs, left, n_steps, events)
+                return
+            except PagePoolExhausted:
+                if not self.manager.evict_prefix():
+                    self._preempt(max(self.running, key=lambda r: r.admitted))
+
+    def _run_window(self, reqs, left, n_steps, events) -> None:
+        if self.manager is None:
+            rows: list[Request | None] = [None] * self.num_slots
+            for r in reqs:
+                rows[r.seq] = r
+        else:
+            nrows = _bucket(len(reqs), self.num_slots)
+            rows = list(reqs) + [None] * (nrows - len(reqs))
+        active = np.zeros((n_steps, len(rows)), bool)
+        for i, r in enumerate(rows):
+            if r is not None and r.decoding:
+                active[: min(n_steps, r.max_new_tokens - len(r.output)), i] = True
+        steps = dict(active=active)
+        if self.manager is None:
+            base = np.zeros((len(rows),), np.int32)
+            for r in self.running:
+                base[r.seq] = r.computed
+            steps["lengths"] = base[None] + np.cumsum(active, 0, dtype=np.int32) - active
+        else:
+            plan, lengths = self.manager.plan_window(
+                [None if r is None else r.seq for r in rows], active.astype(np.int32)
+            )
+            steps.update(plan=plan, lengths=lengths)
+        tok0 = np.zeros((len(rows),), np.int32)
+        count0 = np.zeros((len(rows),), np.int32)
+        max_new = np.ones((len(rows),), np.int32)
+        stop = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
+        for i, r in enumerate(rows):
+            if r is not None and r.decoding:
+                tok0[i], count0[i], max_new[i] = r.output[-1], len(r.output), r.max_new_tokens
+                stop[i, : len(r.stop_ids)] = r.stop_ids
+        t0 = time.perf_counter()
+        toks, emits, _, cache = self._window_fn(
+            self.params, self.transforms, self.cache, steps, tok0, self._sampling_arrays(rows),
+            count0, max_new, stop,
+        )
+        self._keep(cache)
+        toks, emits = np.asarray(toks), np.asarray(emits)
+        self.stats["decode_seconds"] += time.perf_counter() - t0
+        self.stats["decode_windows"] += 1
+        self.stats["decode_steps"] += n_steps
+        for i, r in enumerate(rows):
+            if r is None or not r.decoding:
+                continue
+            r.computed += int(active[:, i].sum())
+            for t in toks[emits[:, i], i]:
+                self.stats["decode_tokens"] += 1
+                if self._emit(r, int(t), events):
+                    break
