@@ -411,3 +411,44 @@ def check_methods(methods: Sequence[str]) -> None:
     bad = [m for m in methods if m not in ALL_METHODS]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(ALL_METHODS)}")
+
+
+# ------------------------------------------------------------------------------------------
+# random-weight models of real shapes (speed on machines the shipped model cannot reach)
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A decoder's shapes; the defaults are Qwen3-8B's (36 layers, 32 q / 8 kv heads, d 128)."""
+
+    layers: int = 36
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    vocab_size: int = 151936
+
+    def model_config(self, max_len: int = 4096) -> ModelConfig:
+        return ModelConfig(
+            model_type="qwen3",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=1e6,
+            max_position_embeddings=max(4096, max_len),
+            qk_norm=True,
+        )
+
+
+def random_model(shape: ModelShape, max_len: int = 4096):
+    """A Transformer with random weights: bf16 on accelerators, float32 on CPU."""
+    from kvjax.models.model import Transformer
+
+    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
+    return Transformer(shape.model_config(max_len), dtype, rngs=nnx.Rngs(0))

@@ -57,8 +57,14 @@ class PageManager:
     the returned cache; rows 0..B-1 of the cache are sequences 0..B-1.
     """
 
-    def __init__(self, cache: PagedKVCache | None = None, *, cfg: CacheConfig | None = None,
-                 num_fp_pages: int | None = None, num_lowbit_pages: int | None = None):
+    def __init__(
+        self,
+        cache: PagedKVCache | None = None,
+        *,
+        cfg: CacheConfig | None = None,
+        num_fp_pages: int | None = None,
+        num_lowbit_pages: int | None = None,
+    ):
         if cache is not None:
             cfg = cache.cfg
             num_fp_pages, num_lowbit_pages = cache.num_fp_pages, cache.num_lowbit_pages
@@ -286,7 +292,8 @@ class PageManager:
             # None when no row flushes (15 of 16 decode steps at the default windows): such
             # steps skip the gather and quantize+pack of dropped tokens. Two shapes per chunk.
             flushes = any(
-                s is not None and min(cfg.quant_end(s.length + n), s.length) > cfg.quant_end(s.length)
+                s is not None
+                and min(cfg.quant_end(s.length + n), s.length) > cfg.quant_end(s.length)
                 for s, n in zip(seqs, counts)
             )
             flush_slots = min(cfg.keep + cfg.flush, t + cfg.flush) if flushes else 0
@@ -316,8 +323,15 @@ class PageManager:
         nothing. Returns the stacked StepPlan arrays [N, ...] and lengths [N, R]; every step
         carries the same flush width so the steps stack."""
         snapshot = copy.deepcopy(
-            (self.seqs, self.free_fp, self.free_low, self.ref_fp, self.ref_low,
-             self._pending_free_fp, self.prefixes)
+            (
+                self.seqs,
+                self.free_fp,
+                self.free_low,
+                self.ref_fp,
+                self.ref_low,
+                self._pending_free_fp,
+                self.prefixes,
+            )
         )
         plans, lens = [], []
         try:
@@ -328,8 +342,15 @@ class PageManager:
                 plans.append(arrs)
                 lens.append(lengths)
         except (PagePoolExhausted, ValueError):
-            (self.seqs, self.free_fp, self.free_low, self.ref_fp, self.ref_low,
-             self._pending_free_fp, self.prefixes) = snapshot
+            (
+                self.seqs,
+                self.free_fp,
+                self.free_low,
+                self.ref_fp,
+                self.ref_low,
+                self._pending_free_fp,
+                self.prefixes,
+            ) = snapshot
             raise
         stacked = {k: np.stack([p[k] for p in plans]) for k in plans[0]}
         return stacked, np.stack(lens)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +60,8 @@ class EngineConfig:
       decode_steps: decode steps per host sync.
       kv_memory_gb: bytes for the cache pools; None sizes them so every row reaches
         max_seq_len (or takes the CacheConfig's pool sizes).
+      expected_seq_len: prompt + output length the budget is split for (the full-precision
+        pool gets what that many sequences of this length hold); None: max_seq_len.
       prefix_sharing: register and adopt shared prompt prefixes (paged cache only).
     """
 
@@ -67,6 +70,7 @@ class EngineConfig:
     prefill_tokens_per_step: int = 2048
     decode_steps: int = 16
     kv_memory_gb: float | None = None
+    expected_seq_len: int | None = None
     prefix_sharing: bool = True
 
     def __post_init__(self):
@@ -94,7 +98,7 @@ class Request:
     on_token: Callable[[Request, int], None] | None = None
     output: list[int] = dataclasses.field(default_factory=list)
     status: Literal["waiting", "running", "finished"] = "waiting"
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "cancelled"] | None = None
     preemptions: int = 0
     submitted_at: float = 0.0
     first_token_at: float | None = None
@@ -132,6 +136,68 @@ def _bucket(n: int, cap: int) -> int:
     return min(cap, 1 << max(0, n - 1).bit_length())
 
 
+# ---- device functions: module level, so engines on one model share compiled code ------------
+
+
+def _call_model(graphdef, params, tf, cache, tokens, logits_at=None):
+    # Transforms travel beside the donated cache: donating them would free the caller's copy.
+    paged = isinstance(cache, PagedKVCache)
+    if paged:
+        cache = cache.replace(transforms=tf)
+    logits, cache = nnx.merge(graphdef, params)(tokens, cache, logits_at=logits_at)
+    if paged:
+        cache = cache.replace(transforms=None)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _prefill_call(graphdef, params, tf, cache, tokens, logits_at, samp):
+    """One chunk per row; draws the token after each row's last real token."""
+    logits, cache = _call_model(graphdef, params, tf, cache, tokens, logits_at)
+    index = cache.lengths - tokens.shape[1] + logits_at + 1
+    nxt = sample_rows(
+        logits, samp["keys"], index, samp["temperature"], samp["top_k"], samp["top_p"]
+    )
+    return nxt, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _decode_window_call(graphdef, params, tf, cache, steps, tok0, samp, count0, max_new, stop_ids):
+    """`steps["active"].shape[0]` decode steps in one loop: each feeds every row its last token,
+    draws the next, and marks the row done on a stop id or at max_new tokens."""
+    paged = isinstance(cache, PagedKVCache)
+
+    def body(carry, xs):
+        cache, tok, count, done = carry
+        if paged:
+            cache = cache.replace(plan=StepPlan(**xs["plan"]), lengths=xs["lengths"])
+        else:
+            cache = cache.replace(lengths=xs["lengths"])
+        logits, cache = _call_model(graphdef, params, tf, cache, tok[:, None])
+        nxt = sample_rows(
+            logits,
+            samp["keys"],
+            xs["lengths"] + 1,
+            samp["temperature"],
+            samp["top_k"],
+            samp["top_p"],
+        )
+        emit = xs["active"] & ~done
+        count = count + emit
+        stop = jnp.any(nxt[:, None] == stop_ids, axis=-1)
+        done = done | (emit & (stop | (count >= max_new)))
+        return (cache, jnp.where(emit, nxt, tok), count, done), (nxt, emit)
+
+    if paged:  # the carry's plan needs the steps' shapes from the start
+        first = jax.tree.map(lambda x: x[0], steps["plan"])
+        cache = cache.replace(plan=StepPlan(**first), lengths=steps["lengths"][0])
+    else:
+        cache = cache.replace(lengths=steps["lengths"][0])
+    done0 = jnp.zeros(tok0.shape, bool)
+    (cache, _, _, done), (toks, emits) = jax.lax.scan(body, (cache, tok0, count0, done0), steps)
+    return toks, emits, done, cache
+
+
 class Engine:
     """Serves requests on one model with a paged (low-bit or full-precision) or dense cache."""
 
@@ -151,7 +217,8 @@ class Engine:
         ecfg = engine_cfg or EngineConfig()
         if prefill_chunk is not None:
             ecfg = dataclasses.replace(
-                ecfg, prefill_chunk=prefill_chunk,
+                ecfg,
+                prefill_chunk=prefill_chunk,
                 prefill_tokens_per_step=prefill_chunk * max(1, ecfg.max_seqs),
             )
         self.model, self.cfg, self.cache_kind = model, model.cfg, cache_kind
@@ -166,8 +233,6 @@ class Engine:
         self.transforms.check_matches(self.cfg)
         self.graphdef, self.params = nnx.split(model)
         self._build_cache()
-        self._prefill_fn = jax.jit(self._prefill, donate_argnums=(2,))
-        self._window_fn = jax.jit(self._window, donate_argnums=(2,))
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -184,8 +249,12 @@ class Engine:
         if self.cache_kind == "dense":
             self._dense_len = ccfg.max_seq_len + ecfg.prefill_chunk  # writes never clamp
             per_slot = (
-                2 * self.cfg.num_layers * self._dense_len * self.cfg.num_kv_heads
-                * self.cfg.head_dim * jnp.dtype(self.model.dtype).itemsize
+                2
+                * self.cfg.num_layers
+                * self._dense_len
+                * self.cfg.num_kv_heads
+                * self.cfg.head_dim
+                * jnp.dtype(self.model.dtype).itemsize
             )
             slots = ecfg.max_seqs if budget is None else min(ecfg.max_seqs, budget // per_slot)
             if slots < 1:
@@ -201,9 +270,22 @@ class Engine:
             self.manager = None
             return
         if budget is not None:
+            # Split the budget as sequences of the expected length use it: each holds its
+            # full-precision windows (plus a flush in flight) and its low-bit pages.
             fp_bytes, low_bytes = self._page_bytes()
-            n_fp = ecfg.max_seqs * ccfg.fp_pages_per_seq()
-            n_fp = max(1, min(n_fp, budget // 2 // fp_bytes))
+            length = min(ecfg.expected_seq_len or ccfg.max_seq_len, ccfg.max_seq_len)
+            probe = PageManager(cfg=ccfg, num_fp_pages=1, num_lowbit_pages=1)
+            fp_per, low_per = probe.pages_for(length)
+            fp_per += -(-ccfg.flush // ccfg.page_size) + 1
+            seqs = budget / (fp_per * fp_bytes + low_per * low_bytes)
+            n_fp = max(
+                1,
+                min(
+                    int(seqs * fp_per), ecfg.max_seqs * ccfg.fp_pages_per_seq(), budget // fp_bytes
+                ),
+            )
+            if low_per == 0:  # nothing reaches low-bit pages at this length
+                n_fp = min(n_fp, (budget - low_bytes) // fp_bytes)
             n_low = (budget - n_fp * fp_bytes) // low_bytes
             if n_low < 1:
                 raise ValueError(f"kv_memory_gb={ecfg.kv_memory_gb} leaves no low-bit pages")
@@ -219,14 +301,20 @@ class Engine:
         self.num_slots = ecfg.max_seqs
         tf = self.transforms
         self.cache = PagedKVCache.create(self.cfg, ccfg, tf, 1).replace(transforms=None)
-        self.manager = PageManager(cfg=ccfg, num_fp_pages=self.cache.num_fp_pages,
-                                   num_lowbit_pages=self.cache.num_lowbit_pages)
+        self.manager = PageManager(
+            cfg=ccfg,
+            num_fp_pages=self.cache.num_fp_pages,
+            num_lowbit_pages=self.cache.num_lowbit_pages,
+        )
 
     def _page_bytes(self) -> tuple[int, int]:
         """Bytes of one full-precision and one low-bit page over all layers, K and V."""
         one = dataclasses.replace(self.cache_cfg, num_fp_pages=1, num_lowbit_pages=1)
         shape = jax.eval_shape(lambda: PagedKVCache.create(self.cfg, one, self.transforms, 1))
-        per = [(pl.k_fp, pl.v_fp) for pl in shape.pools], [pl.k_low + pl.v_low for pl in shape.pools]
+        per = (
+            [(pl.k_fp, pl.v_fp) for pl in shape.pools],
+            [pl.k_low + pl.v_low for pl in shape.pools],
+        )
         fp, low = (sum(x.size * x.dtype.itemsize for g in grp for x in g) for grp in per)
         return int(fp), int(low)
 
@@ -239,47 +327,6 @@ class Engine:
 
     def allocated_bytes(self) -> int:
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self.cache))
-
-    # ---- device functions ----------------------------------------------------------------
-    def _call_model(self, params, tf, cache, tokens, logits_at=None):
-        # Transforms travel beside the donated cache: donating them would free the caller's copy.
-        if self.cache_kind == "paged":
-            cache = cache.replace(transforms=tf)
-        logits, cache = nnx.merge(self.graphdef, params)(tokens, cache, logits_at=logits_at)
-        if self.cache_kind == "paged":
-            cache = cache.replace(transforms=None)
-        return logits[:, 0], cache
-
-    def _prefill(self, params, tf, cache, tokens, logits_at, samp):
-        logits, cache = self._call_model(params, tf, cache, tokens, logits_at)
-        index = cache.lengths - tokens.shape[1] + logits_at + 1
-        return sample_rows(logits, samp["keys"], index, samp["temperature"], samp["top_k"],
-                           samp["top_p"]), cache
-
-    def _window(self, params, tf, cache, steps, tok0, samp, count0, max_new, stop_ids):
-        def body(carry, xs):
-            cache, tok, count, done = carry
-            if self.cache_kind == "paged":
-                cache = cache.replace(plan=StepPlan(**xs["plan"]), lengths=xs["lengths"])
-            else:
-                cache = cache.replace(lengths=xs["lengths"])
-            logits, cache = self._call_model(params, tf, cache, tok[:, None])
-            nxt = sample_rows(logits, samp["keys"], xs["lengths"] + 1, samp["temperature"],
-                              samp["top_k"], samp["top_p"])
-            emit = xs["active"] & ~done
-            count = count + emit
-            stop = jnp.any(nxt[:, None] == stop_ids, axis=-1)
-            done = done | (emit & (stop | (count >= max_new)))
-            return (cache, jnp.where(emit, nxt, tok), count, done), (nxt, emit)
-
-        if self.cache_kind == "paged":
-            first = jax.tree.map(lambda x: x[0], steps["plan"])
-            cache = cache.replace(plan=StepPlan(**first), lengths=steps["lengths"][0])
-        done0 = jnp.zeros(tok0.shape, bool)
-        (cache, _, _, done), (toks, emits) = jax.lax.scan(
-            body, (cache, tok0, count0, done0), steps
-        )
-        return toks, emits, done, cache
 
     # ---- requests ------------------------------------------------------------------------
     def submit(
@@ -319,8 +366,12 @@ class Engine:
         if self.manager is not None:
             self.manager.check_fits(total)
         req = Request(
-            id=next(self._ids), prompt=ids, max_new_tokens=max_new_tokens,
-            sampling=sampling or SamplingParams(), stop_ids=stop_ids, on_token=on_token,
+            id=next(self._ids),
+            prompt=ids,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling or SamplingParams(),
+            stop_ids=stop_ids,
+            on_token=on_token,
             submitted_at=time.perf_counter(),
         )
         self.waiting.append(req)
@@ -359,7 +410,9 @@ class Engine:
         before = dict(self.stats)
         reqs = [
             self.submit(
-                p, max_new_tokens, stop_ids=eos_ids,
+                p,
+                max_new_tokens,
+                stop_ids=eos_ids,
                 sampling=SamplingParams(temperature, top_k, top_p, seed + i),
             )
             for i, p in enumerate(prompts)
@@ -413,6 +466,13 @@ class Engine:
         )
         n = len(self.running)
         window = -(-self.ecfg.decode_steps // self.cache_cfg.page_size) + 1
+        # Pages promised to admitted requests whose prefill has not allocated them yet.
+        owed_fp = owed_low = 0
+        for r in self.running:
+            if not r.decoding:
+                full, done = mgr.pages_for(len(r.tokens)), mgr.pages_for(r.computed)
+                owed_fp, owed_low = owed_fp + full[0] - done[0], owed_low + full[1] - done[1]
+        need_fp, need_low = need_fp + owed_fp, need_low + owed_low
         while True:
             free_fp, free_low = mgr.free_pages()
             if need_fp + n * window <= free_fp and need_low + n * window <= free_low:
@@ -432,6 +492,22 @@ class Engine:
         else:
             self.manager.free(req.seq)
         req.seq = None
+
+    def cancel(self, req: Request) -> None:
+        """Stops a request now (waiting or running); its pages are freed."""
+        if req.status == "waiting":
+            self.waiting.remove(req)
+            req.status, req.finish_reason = "finished", "cancelled"
+            self.finished.append(req)
+        elif req.status == "running":
+            self._finish(req, "cancelled")
+
+    def preempt(self, req: Request) -> None:
+        """Frees a running request's pages and queues it first (what the engine does itself
+        when pages run out); it re-prefills its prompt and output when readmitted."""
+        if req.status != "running":
+            raise ValueError(f"request {req.id} is {req.status}, not running")
+        self._preempt(req)
 
     def _preempt(self, victim: Request) -> None:
         """Frees `victim`'s pages and queues it first; it re-prefills prompt + output later."""
@@ -473,7 +549,9 @@ class Engine:
             if r is not None:
                 keys[i] = base_key(r.sampling.seed)
                 temp[i], top_k[i], top_p[i] = (
-                    r.sampling.temperature, r.sampling.top_k, r.sampling.top_p
+                    r.sampling.temperature,
+                    r.sampling.top_k,
+                    r.sampling.top_p,
                 )
         return dict(keys=keys, temperature=temp, top_k=top_k, top_p=top_p)
 
@@ -524,8 +602,13 @@ class Engine:
                 tokens[i, :n] = r.tokens[r.computed : r.computed + n]
                 last[i] = n - 1
         t0 = time.perf_counter()
-        nxt, cache = self._prefill_fn(
-            self.params, self.transforms, cache, jnp.asarray(tokens), jnp.asarray(last),
+        nxt, cache = _prefill_call(
+            self.graphdef,
+            self.params,
+            self.transforms,
+            cache,
+            jnp.asarray(tokens),
+            jnp.asarray(last),
             self._sampling_arrays(rows),
         )
         self._keep(cache)
@@ -590,9 +673,17 @@ class Engine:
                 tok0[i], count0[i], max_new[i] = r.output[-1], len(r.output), r.max_new_tokens
                 stop[i, : len(r.stop_ids)] = r.stop_ids
         t0 = time.perf_counter()
-        toks, emits, _, cache = self._window_fn(
-            self.params, self.transforms, self.cache, steps, tok0, self._sampling_arrays(rows),
-            count0, max_new, stop,
+        toks, emits, _, cache = _decode_window_call(
+            self.graphdef,
+            self.params,
+            self.transforms,
+            self.cache,
+            steps,
+            tok0,
+            self._sampling_arrays(rows),
+            count0,
+            max_new,
+            stop,
         )
         self._keep(cache)
         toks, emits = np.asarray(toks), np.asarray(emits)
