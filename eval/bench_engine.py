@@ -1,24 +1,22 @@
-"""End-to-end decode throughput of the Engine: dense cache vs paged 2-bit cache (reference
-attention and Pallas kernels), on a random-weight model of real shapes.
+"""Decode step time of the Engine at a fixed batch and context, per cache, against its floor.
 
-The shipped model cannot travel to an accelerator machine, so speed is measured with random
-weights of a real model's shapes (default: Qwen3-8B attention and MLP widths, fewer layers).
-Each mode runs `generate` once to compile every step variant, then once timed (prefill_s and
-decode_s are compiled-code times). Random weights make greedy continuations meaningless, so
-the paged reference and Pallas paths are compared on the logits of one decode step after the
-prompt (same cache contents, two attention paths) as well as on token agreement.
+    python -m eval.bench_engine --layers 1 --batch 2 --prompt-len 96 --new-tokens 3   # smoke
+    python -m eval.bench_engine --layers 36 --batch 1 --prompt-len 100000 --new-tokens 64 \\
+        --modes bf16_paged int2_pallas            # batch 1 at 100k on the H200
 
-    python -m eval.bench_engine --layers 8 --batch 4 --prompt-len 1024 --new-tokens 64
+Each mode runs the batch once to compile, then once timed on a fresh engine (the `kvjax.Engine`
+run loop: chunked prefill, then decode windows of `--decode-steps` steps per host sync). The
+floor of a decode step is the bytes it must read, weights plus the cache pages it holds, at the
+measured read bandwidth (`--ceiling-gib` array summed once per copy, best of a few).
+
+Random weights make greedy continuations meaningless, so the paged reference and Pallas paths
+are also compared on the logits of one decode step after the prompt (same cache contents, two
+attention paths), with the 2-bit cache's own error against the dense cache for scale.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
-import os
-import platform
 import time
 
 import jax
@@ -26,150 +24,191 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache.paged import CacheConfig
-from kvjax.cache.quantizers import QuantConfig
-from kvjax.cache.transforms import KVTransforms
-from kvjax.config import ModelConfig
-from kvjax.models.model import Transformer
-from kvjax.serving.engine import Engine
+from eval import common
+from eval.bench_serving import MODES, make_engine
+from kvjax import cli
+from kvjax.cache.allocator import PageManager
+from kvjax.cache.dense import DenseKVCache
+from kvjax.cache.paged import PagedKVCache
+from kvjax.serving.engine import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineBenchConfig:
-    layers: int = 8
-    hidden_size: int = 4096
-    intermediate_size: int = 12288
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    vocab_size: int = 151936
-    batch: int = 4
-    prompt_len: int = 1024
-    new_tokens: int = 64
-    bits: int = 2
-    sink: int = 64
-    keep: int = 256
-    flush: int = 16
-    modes: tuple[str, ...] = ("dense", "paged_reference", "paged_pallas")
-    out: str = "runs/bench_engine.json"
-
-
-def model_config(c: EngineBenchConfig) -> ModelConfig:
-    return ModelConfig(
-        model_type="qwen3",
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_layers=c.layers,
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rope_theta=1e6,
-        max_position_embeddings=max(4096, c.prompt_len + c.new_tokens),
-        qk_norm=True,
+    layers: int = cli.option(8, "decoder layers (36 = the whole Qwen3-8B)")
+    hidden_size: int = cli.option(4096, "model width")
+    intermediate_size: int = cli.option(12288, "MLP width")
+    num_heads: int = cli.option(32, "query heads")
+    num_kv_heads: int = cli.option(8, "KV heads")
+    head_dim: int = cli.option(128, "head dimension")
+    vocab_size: int = cli.option(151936, "vocabulary")
+    batch: int = cli.option(4, "sequences")
+    prompt_len: int = cli.option(1024, "prompt tokens per sequence")
+    new_tokens: int = cli.option(64, "tokens generated per sequence")
+    decode_steps: int = cli.option(16, "decode steps per host sync")
+    prefill_chunk: int = cli.option(512, "prefill chunk")
+    bits: int = cli.option(2, "low-bit width", choices=(2, 4))
+    sink: int = cli.option(64, "full-precision sink tokens")
+    keep: int = cli.option(256, "full-precision recent tokens")
+    page_size: int = cli.option(16, "tokens per page")
+    modes: tuple[str, ...] = cli.option(
+        ("bf16_dense", "int2_reference", "int2_pallas"), "caches to time", choices=MODES
     )
+    ceiling_gib: float = cli.option(4.0, "GiB read to measure bandwidth (0: skip)")
+    out: str = cli.option("runs/bench_engine", "output directory (json + md)")
 
 
-def _engine(model: Transformer, mode: str, c: EngineBenchConfig) -> Engine:
-    if mode == "dense":
-        return Engine(model, cache_kind="dense")
-    attention = "pallas" if mode == "paged_pallas" else "reference"
-    ccfg = CacheConfig(
-        sink=c.sink,
-        keep=c.keep,
-        flush=c.flush,
-        quant=QuantConfig(bits=c.bits),
-        fp_dtype=jnp.dtype(model.dtype).name,
-        attention=attention,
-    )
-    tf = KVTransforms.identity(model.cfg)
-    return Engine(model, cache_kind="paged", transforms=tf, cache_cfg=ccfg)
-
-
-def run(c: EngineBenchConfig) -> dict:
-    cfg = model_config(c)
-    dtype = jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32
-    model = Transformer(cfg, dtype, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (c.batch, c.prompt_len)).tolist()
-    rows, tokens, first_logits = [], {}, {}
-    for mode in c.modes:
-        eng = _engine(model, mode, c)
-        # Warm-up with the same shapes: the paged cache compiles a second step variant the
-        # first time a decode step flushes, which would otherwise land inside the timing.
-        eng.generate(prompts, c.new_tokens)
+def read_ceiling(gib: float) -> float | None:
+    """Measured read bandwidth in bytes/s: each timed sum reads its own array."""
+    if gib <= 0:
+        return None
+    n = int(gib * 2**30) // 4
+    copies = [jnp.full((n,), float(i), jnp.float32) for i in range(3)]
+    f = jax.jit(jnp.sum)
+    f(copies[0]).block_until_ready()
+    best = float("inf")
+    for x in copies:
         t0 = time.perf_counter()
-        res = eng.generate(prompts, c.new_tokens)
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return n * 4 / best
+
+
+def first_decode_logits(model, eng, prompts: np.ndarray) -> np.ndarray:
+    """Logits of one decode step after the prompt, through `eng`'s cache kind and attention."""
+    graphdef, params = nnx.split(model)
+    b, t = prompts.shape
+
+    @jax.jit
+    def step(tokens, cache):
+        return nnx.merge(graphdef, params)(tokens, cache)
+
+    if eng.cache_kind == "dense":
+        cache = DenseKVCache.create(model.cfg, b, t + 1, model.dtype)
+        mgr = None
+    else:
+        ccfg = dataclasses.replace(eng.cache_cfg, num_fp_pages=None, num_lowbit_pages=None)
+        cache = PagedKVCache.create(model.cfg, ccfg, eng.transforms, b)
+        mgr = PageManager(cache)
+    c = eng.ecfg.prefill_chunk
+    for i in [*range(0, t, c), t]:
+        chunk = prompts[:, i : i + c] if i < t else np.zeros((b, 1), np.int32)
+        if mgr is not None:
+            cache = mgr.prepare(cache, chunk.shape[1])
+        logits, cache = step(jnp.asarray(chunk), cache)
+    return np.asarray(logits[:, -1], np.float32)
+
+
+def main(c: EngineBenchConfig) -> dict:
+    cli.check(c.batch >= 1 and c.prompt_len >= 1, "--batch and --prompt-len must be >= 1")
+    cli.check(c.new_tokens >= 2, f"--new-tokens {c.new_tokens}: >= 2 (one decode step)")
+    shape = common.ModelShape(
+        c.layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+        c.vocab_size,
+    )  # fmt: skip
+    max_len = c.prompt_len + c.new_tokens
+    model = common.random_model(shape, max_len)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+    ceiling = read_ceiling(c.ceiling_gib if jax.default_backend() != "cpu" else 0.0)
+    prompts = np.random.default_rng(0).integers(0, shape.vocab_size, (c.batch, c.prompt_len))
+    ecfg = EngineConfig(
+        max_seqs=c.batch,
+        prefill_chunk=c.prefill_chunk,
+        prefill_tokens_per_step=c.prefill_chunk * c.batch,
+        decode_steps=c.decode_steps,
+        prefix_sharing=False,
+    )
+
+    def engine(mode):
+        return make_engine(
+            model, mode, max_len=max_len, engine_cfg=ecfg, bits=c.bits, sink=c.sink,
+            keep=c.keep, page_size=c.page_size,
+        )  # fmt: skip
+
+    rows, tokens, logits = [], {}, {}
+    for mode in c.modes:
+        engine(mode).generate(prompts.tolist(), c.new_tokens)  # compile every variant
+        eng = engine(mode)
+        t0 = time.perf_counter()
+        res = eng.generate(prompts.tolist(), c.new_tokens)
         wall = time.perf_counter() - t0
         tokens[mode] = np.asarray(res.tokens)
-        # Logits of one decode step (token 0) after the prompt, on a fresh cache: the step
-        # where the paged paths differ only in their attention implementation.
-        cache = eng.new_cache(c.batch, c.prompt_len + 1)
-        for i in range(0, c.prompt_len, eng.prefill_chunk):
-            _, cache = eng.run_chunk(cache, np.asarray(prompts)[:, i : i + eng.prefill_chunk])
-        logits, _ = eng.run_chunk(cache, np.zeros((c.batch, 1), np.int32))
-        first_logits[mode] = np.asarray(logits, np.float32)
-        rows.append(
-            dict(
-                mode=mode,
-                prefill_s=round(res.prefill_seconds, 4),
-                decode_steps=res.decode_steps,
-                decode_s=round(res.decode_seconds, 4),
-                decode_tok_s=round(res.decode_tokens_per_second, 1),
-                wall_s=round(wall, 2),
-            )
+        # Bytes a decode step reads from the cache: the pages the sequences hold at the end.
+        if eng.manager is not None:
+            fp_b, low_b = eng._page_bytes()
+            n_fp = n_low = 0
+            for p in prompts:
+                f, lo = eng.manager.pages_for(len(p) + c.new_tokens)
+                n_fp, n_low = n_fp + f, n_low + lo
+            cache_bytes = n_fp * fp_b + n_low * low_b
+        else:
+            per_token = 2 * shape.layers * shape.num_kv_heads * shape.head_dim
+            cache_bytes = per_token * c.batch * max_len * jnp.dtype(model.dtype).itemsize
+        step_s = res.decode_seconds / max(res.decode_steps, 1)
+        row = dict(
+            mode=mode,
+            prefill_s=round(res.prefill_seconds, 4),
+            prefill_tok_per_s=round(c.batch * c.prompt_len / res.prefill_seconds, 1),
+            decode_steps=res.decode_steps,
+            decode_step_ms=round(1e3 * step_s, 3),
+            decode_tok_per_s=round(res.decode_tokens_per_second, 1),
+            weight_bytes=int(weight_bytes),
+            cache_read_bytes=int(cache_bytes),
+            wall_s=round(wall, 2),
         )
-        print(rows[-1], flush=True)
+        if ceiling:
+            floor = (weight_bytes + cache_bytes) / ceiling
+            row.update(floor_ms=round(1e3 * floor, 3), step_over_floor=round(step_s / floor, 3))
+        rows.append(row)
+        print(row, flush=True)
+        if c.prompt_len * c.batch <= 1 << 16:  # the logits check re-prefills without chunking
+            logits[mode] = first_decode_logits(model, eng, prompts)
 
     def rel_err(a, b):
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
 
     checks = {}
-    if "dense" in tokens and "paged_reference" in tokens:
-        # The 2-bit cache's own effect on the logits (quantization error), for scale.
+    if "bf16_dense" in logits and "int2_reference" in logits:
         checks["decode_logits_rel_err_paged_vs_dense"] = rel_err(
-            first_logits["dense"], first_logits["paged_reference"]
+            logits["bf16_dense"], logits["int2_reference"]
         )
-    if "paged_reference" in tokens and "paged_pallas" in tokens:
+    if "int2_reference" in logits and "int2_pallas" in logits:
         checks["decode_logits_rel_err_pallas_vs_reference"] = rel_err(
-            first_logits["paged_reference"], first_logits["paged_pallas"]
+            logits["int2_reference"], logits["int2_pallas"]
         )
         checks["token_agreement_pallas_vs_reference"] = float(
-            np.mean(tokens["paged_reference"] == tokens["paged_pallas"])
+            np.mean(tokens["int2_reference"] == tokens["int2_pallas"])
         )
-    return dict(
-        date=datetime.date.today().isoformat(),
-        machine=platform.node(),
+    payload = dict(
+        **common.environment(),
         device=str(jax.devices()[0].device_kind),
-        jax=jax.__version__,
+        read_ceiling_tb_s=None if ceiling is None else round(ceiling / 1e12, 3),
         config=dataclasses.asdict(c),
         rows=rows,
         checks=checks,
     )
+    header = ["mode", "decode step ms", "floor ms", "step / floor", "decode tok/s",
+              "prefill tok/s"]  # fmt: skip
+    table = [
+        [r["mode"], r["decode_step_ms"], r.get("floor_ms", "-"), r.get("step_over_floor", "-"),
+         r["decode_tok_per_s"], r["prefill_tok_per_s"]]
+        for r in rows
+    ]  # fmt: skip
+    md = (
+        f"# bench_engine\n\n`{payload['command']}` at {payload['commit']}, {payload['date']}, "
+        f"{payload['device']}, jax {payload['jax_version']}; batch {c.batch} x "
+        f"{c.prompt_len} prompt tokens, {c.layers} layers\n\n"
+        + common.markdown_table(header, table)
+    )
+    jpath, _ = common.write_results(c.out, "bench_engine", payload, md)
+    print(md, "\n", checks, "->", jpath)
+    return payload
 
 
-def main(argv: list[str] | None = None) -> dict:
-    d = EngineBenchConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(EngineBenchConfig):
-        if f.name == "modes":
-            p.add_argument("--modes", default=",".join(d.modes))
-        else:
-            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    a = p.parse_args(argv)
-    kw = {k: v for k, v in vars(a).items()}
-    kw["modes"] = tuple(m for m in a.modes.split(",") if m)
-    bad = [m for m in kw["modes"] if m not in d.modes]
-    if bad:
-        raise SystemExit(f"unknown --modes {bad}; choose from {d.modes}")
-    c = EngineBenchConfig(**kw)
-    result = run(c)
-    os.makedirs(os.path.dirname(os.path.abspath(c.out)), exist_ok=True)
-    with open(c.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result["checks"]), "->", c.out)
-    return result
+def parse_args(argv=None) -> EngineBenchConfig:
+    parser = cli.dataclass_parser(EngineBenchConfig, "python -m eval.bench_engine", __doc__)
+    return cli.dataclass_from_args(EngineBenchConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, parse_args)

@@ -97,35 +97,53 @@ def workload(c: BenchServingConfig) -> list[tuple[float, list[int], int]]:
     return reqs
 
 
-def make_engine(model, mode: str, c: BenchServingConfig) -> Engine:
+def make_engine(
+    model,
+    mode: str,
+    *,
+    max_len: int,
+    engine_cfg: EngineConfig,
+    bits: int = 2,
+    sink: int = 64,
+    keep: int = 256,
+    page_size: int = 16,
+) -> Engine:
+    """The engine of one benchmark mode (see the module docstring), identity transforms."""
+    max_len = -(-max_len // page_size) * page_size
+    fp_dtype = jnp.dtype(model.dtype).name
+    if mode == "bf16_dense":
+        ccfg = CacheConfig(max_seq_len=max_len, fp_dtype=fp_dtype)
+        return Engine(model, cache_kind="dense", cache_cfg=ccfg, engine_cfg=engine_cfg)
+    ccfg = CacheConfig(
+        sink=sink,
+        # bf16_paged: the recent window holds every token, so every page is full precision
+        keep=max_len if mode == "bf16_paged" else keep,
+        flush=page_size,
+        page_size=page_size,
+        quant=QuantConfig(bits=bits),
+        fp_dtype=fp_dtype,
+        max_seq_len=max_len,
+        attention="reference" if mode == "int2_reference" else "pallas",
+    )
+    tf = KVTransforms.identity(model.cfg)
+    return Engine(model, cache_kind="paged", transforms=tf, cache_cfg=ccfg, engine_cfg=engine_cfg)
+
+
+def engine_for(model, mode: str, c: BenchServingConfig) -> Engine:
     max_len = c.prompt_len + c.output_len
-    max_len = -(-max_len // c.page_size) * c.page_size
     ecfg = EngineConfig(
         max_seqs=c.max_seqs,
         prefill_chunk=c.prefill_chunk,
         prefill_tokens_per_step=c.prefill_tokens_per_step,
         decode_steps=c.decode_steps,
         kv_memory_gb=c.kv_memory_gb,
-        expected_seq_len=int(np.mean([c.prompt_len, max_len]) if c.spread else max_len),
+        # the mean request length: pools split for the sequences a run actually holds
+        expected_seq_len=int((1 - c.spread / 2) * max_len),
     )
-    fp_dtype = jnp.dtype(model.dtype).name
-    if mode == "bf16_dense":
-        ccfg = CacheConfig(max_seq_len=max_len, fp_dtype=fp_dtype)
-        return Engine(model, cache_kind="dense", cache_cfg=ccfg, engine_cfg=ecfg)
-    if mode == "bf16_paged":  # the recent window holds every token: all pages full precision
-        ccfg = CacheConfig(
-            sink=c.sink, keep=max_len, flush=c.page_size, page_size=c.page_size,
-            quant=QuantConfig(bits=c.bits), fp_dtype=fp_dtype, max_seq_len=max_len,
-            attention="pallas",
-        )  # fmt: skip
-    else:
-        ccfg = CacheConfig(
-            sink=c.sink, keep=c.keep, flush=c.page_size, page_size=c.page_size,
-            quant=QuantConfig(bits=c.bits), fp_dtype=fp_dtype, max_seq_len=max_len,
-            attention="pallas" if mode == "int2_pallas" else "reference",
-        )  # fmt: skip
-    tf = KVTransforms.identity(model.cfg)
-    return Engine(model, cache_kind="paged", transforms=tf, cache_cfg=ccfg, engine_cfg=ecfg)
+    return make_engine(
+        model, mode, max_len=max_len, engine_cfg=ecfg, bits=c.bits, sink=c.sink, keep=c.keep,
+        page_size=c.page_size,
+    )  # fmt: skip
 
 
 def _pct(xs, q):
@@ -202,13 +220,13 @@ def main(c: BenchServingConfig) -> dict:
     reqs = workload(c)
     rows = []
     for mode in c.modes:
-        warm = make_engine(model, mode, c)
+        warm = engine_for(model, mode, c)
         for _, prompt, n in reqs:
             warm.submit(prompt, min(n, c.warmup_tokens), stop_ids=())
         warm.run()
         del warm
         for rep in range(c.repeats):
-            eng = make_engine(model, mode, c)
+            eng = engine_for(model, mode, c)
             row = dict(mode=mode, repeat=rep, kernel=kernel_used(mode))
             row["kv_bytes"] = eng.allocated_bytes()
             row.update(run_workload(eng, reqs))

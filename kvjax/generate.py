@@ -6,6 +6,8 @@ Examples:
     python -m kvjax.generate --transforms runs/calib/wush --bits 2 --sink 16 --keep 32
         --prompt-file prompt.txt
     python -m kvjax.generate --model /path/to/Qwen3-8B --temperature 0.7 --top-p 0.9 --seed 1
+    # many prompts (one per line) served as one batch by the engine, with continuous batching
+    python -m kvjax.generate --prompts-file prompts.txt --max-seqs 8 --bits 2
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from kvjax.cache.paged import CacheConfig
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import fold_value_transforms
 from kvjax.models.loading import load_model
-from kvjax.serving.engine import Engine
+from kvjax.serving.engine import Engine, EngineConfig
+from kvjax.serving.sampling import SamplingParams
 from kvjax.storage import load_transforms
 
 
@@ -30,9 +33,18 @@ class GenerateConfig:
     )
     prompt: str = cli.option("The capital of France is", "the prompt text")
     prompt_file: str | None = cli.option(None, "read the prompt from this UTF-8 file instead")
+    prompts_file: str | None = cli.option(
+        None, "a UTF-8 file of prompts, one per line, served together as requests"
+    )
     max_new_tokens: int = cli.option(32, "tokens to generate")
     temperature: float = cli.option(0.0, "sampling temperature; 0 = greedy")
     top_p: float = cli.option(1.0, "nucleus sampling mass")
+    top_k: int = cli.option(0, "sample among the k most likely tokens; 0 = off")
+    max_seqs: int = cli.option(8, "requests decoded at once")
+    decode_steps: int = cli.option(16, "decode steps per host sync")
+    kv_memory_gb: float | None = cli.option(
+        None, "GiB for the cache pools (default: sized so every request reaches its full length)"
+    )
     seed: int = cli.option(0, "sampling seed")
     transforms: str | None = cli.option(None, "a calibrated transforms directory (needs --bits)")
     bits: int | None = cli.option(None, "low-bit KV cache width 2, 3 or 4 (none: full precision)")
@@ -58,6 +70,17 @@ def validate(cfg: GenerateConfig) -> None:
     cli.check(cfg.max_new_tokens > 0, f"--max-new-tokens {cfg.max_new_tokens}: must be > 0")
     cli.check(cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be >= 0")
     cli.check(0 < cfg.top_p <= 1, f"--top-p {cfg.top_p}: must be in (0, 1]")
+    cli.check(cfg.top_k >= 0, f"--top-k {cfg.top_k}: must be >= 0")
+    for flag, v in (("--max-seqs", cfg.max_seqs), ("--decode-steps", cfg.decode_steps)):
+        cli.check(v >= 1, f"{flag} {v}: must be >= 1")
+    cli.check(
+        cfg.kv_memory_gb is None or cfg.kv_memory_gb > 0,
+        f"--kv-memory-gb {cfg.kv_memory_gb}: must be > 0",
+    )
+    cli.check(
+        cfg.prompt_file is None or cfg.prompts_file is None,
+        "--prompt-file and --prompts-file: give one",
+    )
     cli.check(cfg.bits in (None, 2, 3, 4), f"--bits {cfg.bits}: supported 2, 3, 4")
     cli.check(
         cfg.bits is not None or cfg.transforms is None,
@@ -74,25 +97,45 @@ def validate(cfg: GenerateConfig) -> None:
         cfg.group_size is None or cfg.group_size > 0, f"--group-size {cfg.group_size}: must be > 0"
     )
     cli.check_paths_exist(model=cfg.model, transforms=cfg.transforms)
-    cli.check(
-        cfg.prompt_file is None or pathlib.Path(cfg.prompt_file).is_file(),
-        f"--prompt-file {cfg.prompt_file!r} is not a file",
-    )
+    for flag, path in (("--prompt-file", cfg.prompt_file), ("--prompts-file", cfg.prompts_file)):
+        cli.check(path is None or pathlib.Path(path).is_file(), f"{flag} {path!r} is not a file")
 
 
-def main(cfg: GenerateConfig) -> str:
-    validate(cfg)
-    prompt = cfg.prompt
+def read_prompts(cfg: GenerateConfig) -> list[str]:
+    if cfg.prompts_file is not None:
+        prompts = [ln for ln in assets.load_text(cfg.prompts_file).splitlines() if ln.strip()]
+        cli.check(bool(prompts), f"--prompts-file {cfg.prompts_file!r} holds no prompt")
+        return prompts
     if cfg.prompt_file is not None:
-        prompt = assets.load_text(cfg.prompt_file)
+        return [assets.load_text(cfg.prompt_file)]
+    return [cfg.prompt]
+
+
+def main(cfg: GenerateConfig) -> list[str]:
+    validate(cfg)
+    prompts = read_prompts(cfg)
     lm = load_model(cfg.model)
     if cfg.group_size is not None:
         cli.check(
             lm.cfg.head_dim % cfg.group_size == 0,
             f"--group-size {cfg.group_size} must divide the model's head_dim={lm.cfg.head_dim}",
         )
+    ids = [lm.tokenizer.encode(p, add_bos=cfg.add_bos) for p in prompts]
+    longest = max(len(x) for x in ids) + cfg.max_new_tokens
+    chunk = cfg.page_size * max(1, min(512, longest) // cfg.page_size)
+    ecfg = EngineConfig(
+        max_seqs=min(cfg.max_seqs, len(ids)),
+        prefill_chunk=chunk,
+        prefill_tokens_per_step=chunk * 4,
+        decode_steps=cfg.decode_steps,
+        kv_memory_gb=cfg.kv_memory_gb,
+    )
+    max_len = cfg.page_size * -(-longest // cfg.page_size)
     if cfg.bits is None:
-        engine = Engine(lm.model, cache_kind="dense")
+        ccfg = CacheConfig(max_seq_len=max_len)
+        engine = Engine(
+            lm.model, cache_kind="dense", cache_cfg=ccfg, engine_cfg=ecfg, tokenizer=lm.tokenizer
+        )
         mode = "full-precision cache"
     else:
         if cfg.transforms is not None:
@@ -112,28 +155,34 @@ def main(cfg: GenerateConfig) -> str:
             page_size=cfg.page_size,
             quant=qc,
             attention=cfg.attention,
+            max_seq_len=max_len,
         )
-        engine = Engine(lm.model, cache_kind="paged", transforms=tf, cache_cfg=ccfg)
+        engine = Engine(
+            lm.model, cache_kind="paged", transforms=tf, cache_cfg=ccfg, engine_cfg=ecfg,
+            tokenizer=lm.tokenizer,
+        )  # fmt: skip
         mode = f"{cfg.bits}-bit {cfg.quantizer} cache, transforms={method}"
-    ids = lm.tokenizer.encode(prompt, add_bos=cfg.add_bos)
-    res = engine.generate(
-        [ids],
-        cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        seed=cfg.seed,
-        eos_ids=lm.tokenizer.eos_ids,
-    )
-    text = lm.tokenizer.decode(res.tokens[0])
-    print(prompt + text)
+    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    reqs = [engine.submit(x, cfg.max_new_tokens, sampling=sampling) for x in ids]
+    engine.run()
+    texts = [lm.tokenizer.decode(r.output) for r in reqs]
+    for i, (p, t) in enumerate(zip(prompts, texts)):
+        if len(prompts) > 1:
+            print(f"--- request {i} ({reqs[i].finish_reason})")
+        print(p + t)
+    st = engine.stats
     print(
-        f"[{mode}] prompt {len(ids)} tokens in {res.prefill_seconds:.2f}s (incl. compile); "
-        f"{len(res.tokens[0])} new tokens, decode {res.decode_tokens_per_second:.1f} tokens/s",
+        f"[{mode}] {len(reqs)} request(s), {sum(len(x) for x in ids)} prompt tokens in "
+        f"{st['prefill_seconds']:.2f}s (incl. compile); {sum(len(r.output) for r in reqs)} "
+        f"new tokens, decode {st['decode_tokens'] / max(st['decode_seconds'], 1e-9):.1f} "
+        f"tokens/s (incl. compile), at most {engine.peak_running} at once",
         file=sys.stderr,
     )
     if cfg.bits is not None:
-        total = len(ids) + len(res.tokens[0])
-        low = ccfg.quant_end(total) - min(ccfg.sink, total)
+        total = sum(len(x) + len(r.output) for x, r in zip(ids, reqs))
+        low = sum(
+            max(0, ccfg.quant_end(len(x) + len(r.output)) - ccfg.sink) for x, r in zip(ids, reqs)
+        )
         note = (
             ""
             if low
@@ -143,7 +192,7 @@ def main(cfg: GenerateConfig) -> str:
             f"[{mode}] {low} of {total} cached tokens in {cfg.bits}-bit pages{note}",
             file=sys.stderr,
         )
-    return text
+    return texts
 
 
 def parse_args(argv=None) -> GenerateConfig:

@@ -18,7 +18,8 @@ One scheduler iteration (`Engine.step`), the policy in full:
    stand for another's. A request whose last chunk ran draws its first token.
 3. Decode. Every decoding sequence runs up to `decode_steps` single-token steps in one device
    loop (sampling, stop and length checks on device; the page plans of all steps made ahead on
-   the host), then one host sync hands the tokens back.
+   the host), then one host sync hands the tokens back. A window always has `max_seqs` rows
+   and `decode_steps` steps (idle rows and steps are masked), so it compiles once.
 When pages run short: evict least recently used prefix entries, then preempt the most recently
 admitted sequence (pages freed; it re-prefills its prompt and output when readmitted). A
 request that could never fit the pools is refused at `submit`.
@@ -435,9 +436,9 @@ class Engine:
         """Admits, runs one prefill call and one decode window; returns the new tokens."""
         events: dict[int, tuple[Request, list[int]]] = {}
         self._admit()
+        self.peak_running = max(self.peak_running, len(self.running))
         self._prefill_step(events)
         self._decode_window(events)
-        self.peak_running = max(self.peak_running, len(self.running))
         return list(events.values())
 
     def _admit(self) -> None:
@@ -632,23 +633,22 @@ class Engine:
             reqs = [r for r in self.running if r.decoding]
             if not reqs:
                 return
-            left = [r.max_new_tokens - len(r.output) for r in reqs]
-            n_steps = _bucket(max(left), self.ecfg.decode_steps)
             try:
-                self._run_window(reqs, left, n_steps, events)
+                self._run_window(reqs, self.ecfg.decode_steps, events)
                 return
             except PagePoolExhausted:
                 if not self.manager.evict_prefix():
                     self._preempt(max(self.running, key=lambda r: r.admitted))
 
-    def _run_window(self, reqs, left, n_steps, events) -> None:
+    def _run_window(self, reqs, n_steps, events) -> None:
+        # One shape for every window (all rows, decode_steps steps): a padding row reads one
+        # token per layer, far less than recompiling a whole model for each batch size.
         if self.manager is None:
             rows: list[Request | None] = [None] * self.num_slots
             for r in reqs:
                 rows[r.seq] = r
         else:
-            nrows = _bucket(len(reqs), self.num_slots)
-            rows = list(reqs) + [None] * (nrows - len(reqs))
+            rows = list(reqs) + [None] * (self.num_slots - len(reqs))
         active = np.zeros((n_steps, len(rows)), bool)
         for i, r in enumerate(rows):
             if r is not None and r.decoding:

@@ -250,28 +250,57 @@ def test_memory_report_counts_pools_and_beats_bf16():
 
 
 def test_bench_engine_smoke(tmp_path):
-    """Tiny model through all three Engine modes; the paged Pallas path (interpret mode here)
+    """Tiny model through three Engine modes; the paged Pallas path (interpret mode here)
     must agree with the paged reference path on a decode step that reads low-bit pages."""
     from eval import bench_engine
 
-    out = tmp_path / "engine.json"
     res = bench_engine.main(
-        [
-            "--layers", "1", "--hidden-size", "128", "--intermediate-size", "96",
-            "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64",
-            "--vocab-size", "101", "--batch", "2", "--prompt-len", "96", "--new-tokens", "3",
-            "--sink", "16", "--keep", "16", "--flush", "16", "--out", str(out),
-        ]
+        bench_engine.parse_args(
+            [
+                "--layers", "1", "--hidden-size", "128", "--intermediate-size", "96",
+                "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64",
+                "--vocab-size", "101", "--batch", "2", "--prompt-len", "96", "--new-tokens", "3",
+                "--sink", "16", "--keep", "16", "--prefill-chunk", "32", "--decode-steps", "2",
+                "--out", str(tmp_path),
+            ]
+        )
     )  # fmt: skip
-    assert [r["mode"] for r in res["rows"]] == ["dense", "paged_reference", "paged_pallas"]
-    assert all(r["decode_steps"] == 1 for r in res["rows"])
+    assert [r["mode"] for r in res["rows"]] == ["bf16_dense", "int2_reference", "int2_pallas"]
+    assert all(r["decode_steps"] == 2 for r in res["rows"])
     # 96 prompt tokens with 16 sink + 16 recent leave 64 tokens in 2-bit pages, so the two
     # paths differ by the kernel's float16 operands only.
     err = res["checks"]["decode_logits_rel_err_pallas_vs_reference"]
     quant = res["checks"]["decode_logits_rel_err_paged_vs_dense"]
     assert err < 1e-2
     assert quant > 10 * err  # the low-bit pages were read (their error dwarfs the kernel's)
-    assert out.exists()
+    assert (tmp_path / "bench_engine.json").exists()
+
+
+def test_bench_serving_smoke(tmp_path):
+    """Every mode serves the same small workload under one budget; the 2-bit pool holds more
+    sequences at once than the full-precision ones."""
+    from eval import bench_serving
+
+    res = bench_serving.main(
+        bench_serving.parse_args(
+            [
+                "--layers", "1", "--hidden-size", "64", "--intermediate-size", "96",
+                "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64",
+                "--vocab-size", "97", "--requests", "8", "--prompt-len", "64",
+                "--output-len", "6", "--prefill-chunk", "32", "--prefill-tokens-per-step",
+                "128", "--kv-memory-gb", "0.0012", "--sink", "16", "--keep", "16",
+                "--decode-steps", "4", "--warmup-tokens", "2",
+                "--modes", "int2_reference", "bf16_paged", "bf16_dense", "--out", str(tmp_path),
+            ]
+        )
+    )  # fmt: skip
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert all(r["output_tokens"] == sum(n for _, _, n in bench_serving.workload(
+        bench_serving.BenchServingConfig(requests=8, prompt_len=64, output_len=6, vocab_size=97)
+    )) for r in rows.values())  # fmt: skip
+    assert rows["int2_reference"]["peak_concurrent"] > rows["bf16_paged"]["peak_concurrent"]
+    assert all(r["kv_bytes"] <= 0.0012 * 2**30 for r in rows.values())
+    assert (tmp_path / "bench_serving.md").exists()
 
 
 def test_report_writes_outside_the_tree_and_picks_calibrated_methods(tmp_path):

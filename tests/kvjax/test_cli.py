@@ -46,6 +46,10 @@ def test_success_returns_mains_value():
         (["--transforms", "/no/such/dir"], "--transforms needs --bits"),
         (["--sink", "10"], "--sink 10 must be a multiple of --page-size 16"),
         (["--prompt-file", "/no/such/file"], "--prompt-file '/no/such/file' is not a file"),
+        (["--prompts-file", "/no/such/file"], "--prompts-file '/no/such/file' is not a file"),
+        (["--top-k", "-2"], "--top-k -2: must be >= 0"),
+        (["--max-seqs", "0"], "--max-seqs 0: must be >= 1"),
+        (["--kv-memory-gb", "0"], "--kv-memory-gb 0.0: must be > 0"),
     ],
 )
 def test_generate_checks_options_before_loading(argv, msg, monkeypatch, capsys):
@@ -61,7 +65,15 @@ def test_generate_checks_options_before_loading(argv, msg, monkeypatch, capsys):
 
 def test_dataclass_parsers_default_to_the_config_and_round_trip():
     from calib import calibrate as cal
-    from eval import attention_error, bench_calibration, perplexity, report, retrieval
+    from eval import (
+        attention_error,
+        bench_calibration,
+        bench_engine,
+        bench_serving,
+        perplexity,
+        report,
+        retrieval,
+    )
 
     for mod, cls in (
         (cal, cal.CalibrateConfig),
@@ -71,6 +83,8 @@ def test_dataclass_parsers_default_to_the_config_and_round_trip():
         (bench_calibration, bench_calibration.BenchCalibrationConfig),
         (perplexity, perplexity.PerplexityConfig),
         (report, report.ReportConfig),
+        (bench_engine, bench_engine.EngineBenchConfig),
+        (bench_serving, bench_serving.BenchServingConfig),
     ):
         assert mod.parse_args([]) == cls(), cls.__name__
     c = cal.parse_args(["--method", "wush", "oscar", "--bits", "2", "4", "--no-progress"])

@@ -134,7 +134,7 @@ def test_calibrate_then_generate_2bit(glm_dir, tmp_path, capsys):
     printed = capsys.readouterr()
     assert "2-bit" in printed.err and "transforms=wush" in printed.err
     assert printed.out.startswith(prompt)
-    new_words = generated.split()
+    new_words = generated[0].split()
     assert 1 <= len(new_words) <= 4 and set(new_words) <= set(WORDS) | {"<eos>", "<unk>"}
 
 

@@ -1,7 +1,6 @@
 """The shipped SmolLM2-135M through the Flax port: logits vs transformers on the same GGUF
 weights, and greedy generation through the dense and paged caches."""
 
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,7 @@ from kvjax.cache.paged import CacheConfig
 from kvjax.models.gguf_loader import load_gguf
 from kvjax.models.loading import load_model
 from kvjax.models.model import Transformer
-from kvjax.serving.engine import Engine
+from kvjax.serving.engine import Engine, EngineConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -65,13 +64,16 @@ def test_flax_logits_match_transformers(real):
 def test_greedy_paris_dense_and_paged():
     lm = load_model()
     ids = lm.tokenizer.encode("The capital of France is")
-    dense = Engine(lm.model).generate([ids], max_new_tokens=2)
+    # One row, 32 positions: the reference path reads every slot a row's table can hold.
+    small = EngineConfig(max_seqs=1, prefill_chunk=16, prefill_tokens_per_step=16, decode_steps=2)
+    dense = Engine(lm.model, cache_cfg=CacheConfig(max_seq_len=32), engine_cfg=small)
+    dense = dense.generate([ids], max_new_tokens=2)
     assert lm.tokenizer.decode(dense.tokens[0][:1]) == " Paris"
     paged = Engine(
         lm.model,
         cache_kind="paged",
-        prefill_chunk=4,
-        cache_cfg=dataclasses.replace(CacheConfig(sink=0, keep=1, flush=16), quant=None),
+        engine_cfg=small,
+        cache_cfg=CacheConfig(sink=0, keep=1, flush=16, quant=None, max_seq_len=32),
     )
     out = paged.generate([ids], max_new_tokens=2)
     assert out.tokens == dense.tokens

@@ -145,6 +145,7 @@ def test_preemption_when_the_pool_runs_dry_keeps_outputs(model):
     assert eng.manager.pages_in_use() == (0, 0)
 
 
+@pytest.mark.slow  # CI: bench_serving's smoke test checks the same ordering
 def test_memory_budget_admits_more_low_bit_sequences(model):
     budget = 0.0005  # GiB
     ecfg = dataclasses.replace(ECFG, max_seqs=32, kv_memory_gb=budget, expected_seq_len=64)
@@ -181,6 +182,7 @@ def test_submit_refuses_bad_requests_before_running(model):
     assert not eng.has_work
 
 
+@pytest.mark.slow  # CI: the state machine cancels and preempts at random
 def test_cancel_and_preempt_free_pages(model):
     eng = Engine(
         model,
