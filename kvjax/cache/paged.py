@@ -212,22 +212,20 @@ class PagedKVCache:
         v_t = tf.values_to_stored(layer, v)
         q_t = tf.queries_to_key_frame(layer, q)
 
-        # New tokens that stay full precision go into fp pages now (decode reads them there).
+        # Every write comes first and attention reads only the written pools: a pool read
+        # before an unrelated write to it would make XLA copy the whole pool (every decode
+        # step, inside the engine's loop). The writes land in slots the attention masks off
+        # (new fp tokens are read from k_t in the reference path; flushed slots lie beyond
+        # low_len), and flushes read stored slots the new tokens do not touch.
+        # New tokens that stay full precision go into fp pages (decode reads them there).
         k_fp = _scatter_tokens(pools.k_fp, plan.new_fp_dst, k_t)
         v_fp = _scatter_tokens(pools.v_fp, plan.new_fp_dst, v_t)
-
-        use_kernel = cfg.attention == "pallas" and t == 1
-        if use_kernel:  # the kernel moves q into the key frame and applies B_V itself
-            o = self._pallas_decode(layer, q, k_fp, v_fp)
-        else:
-            o_t = self._reference_attend(pools, q_t, k_t, v_t, positions)  # value frame
-            o = tf.outputs_from_value_frame(layer, o_t)
+        fk = _gather_tokens(k_fp, plan.flush_src)  # [B, F, K, d]
+        fv = _gather_tokens(v_fp, plan.flush_src)
 
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
-        fk = _gather_tokens(pools.k_fp, plan.flush_src)  # [B, F, K, d]
-        fv = _gather_tokens(pools.v_fp, plan.flush_src)
         if plan.flush_src.shape[1] == 0 and t == 1:
             k_low, v_low = pools.k_low, pools.v_low
         elif cfg.attention == "pallas" and cfg.quant is not None:
@@ -254,8 +252,15 @@ class PagedKVCache:
                 cfg.value_quant,
                 tf.clip_v[layer],
             )
-
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
+
+        if cfg.attention == "pallas" and t == 1:
+            # the kernel moves q into the key frame and applies B_V itself
+            o = self._pallas_decode(layer, q, new_pools)
+        else:
+            o_t = self._reference_attend(new_pools, q_t, k_t, v_t, positions)  # value frame
+            o = tf.outputs_from_value_frame(layer, o_t)
+
         pools_all = self.pools[:layer] + (new_pools,) + self.pools[layer + 1 :]
         return o, self.replace(pools=pools_all)
 
@@ -287,7 +292,7 @@ class PagedKVCache:
         vals = jnp.concatenate([vf.astype(jnp.float32), vq, v_t], axis=1)
         return grouped_attention(q_t, keys, vals, mask, sm_scale=self.sm_scale)
 
-    def _pallas_decode(self, layer, q, k_fp, v_fp) -> jax.Array:
+    def _pallas_decode(self, layer, q, pools: LayerPools) -> jax.Array:
         """Single-token decode through the Pallas kernel, reading packed pages directly."""
         from pallas_kernels.decode_attention import decode_attention  # lazy: optional path
 
@@ -297,8 +302,9 @@ class PagedKVCache:
                 "the pallas decode path needs packed 2- or 4-bit pages, the same "
                 "width for keys and values"
             )
-        kc, ks, kz = self.pools[layer].k_low
-        vc, vs, vz = self.pools[layer].v_low
+        kc, ks, kz = pools.k_low
+        vc, vs, vz = pools.v_low
+        k_fp, v_fp = pools.k_fp, pools.v_fp
         backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
         o = decode_attention(
             q[:, 0],

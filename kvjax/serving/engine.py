@@ -132,11 +132,6 @@ class GenerationResult:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
-def _bucket(n: int, cap: int) -> int:
-    """Rows of a call: the next power of two (few compiled shapes), at most cap."""
-    return min(cap, 1 << max(0, n - 1).bit_length())
-
-
 # ---- device functions: module level, so engines on one model share compiled code ------------
 
 
@@ -560,7 +555,7 @@ class Engine:
     def _prefill_step(self, events: dict) -> None:
         c = self.ecfg.prefill_chunk
         pending = [r for r in self.running if not r.decoding]
-        pending = pending[: self.ecfg.prefill_tokens_per_step // c]
+        pending = pending[: min(self.num_slots, self.ecfg.prefill_tokens_per_step // c)]
         while pending:
             chunks = [min(len(r.tokens), (r.computed // c + 1) * c) - r.computed for r in pending]
             try:
@@ -588,11 +583,16 @@ class Engine:
                 counts[r.seq] = n
             cache = self.cache.replace(lengths=jnp.asarray(lengths))
         else:
-            nrows = _bucket(len(reqs), self.num_slots)
+            # One shape for every prefill call (rows, chunk, flush width): one compile.
+            nrows = min(self.num_slots, self.ecfg.prefill_tokens_per_step // c)
             rows = list(reqs) + [None] * (nrows - len(reqs))
             counts = chunks + [0] * (nrows - len(reqs))
+            ccfg = self.cache_cfg
             arrs, lengths = self.manager.plan_step(
-                [None if r is None else r.seq for r in rows], counts, tokens=c
+                [None if r is None else r.seq for r in rows],
+                counts,
+                tokens=c,
+                flush_slots=min(ccfg.keep + ccfg.flush, c + ccfg.flush),
             )
             plan = StepPlan(**{k: jnp.asarray(v) for k, v in arrs.items()})
             cache = self.cache.replace(plan=plan, lengths=jnp.asarray(lengths))
