@@ -219,6 +219,13 @@ def main(c: BenchServingConfig) -> dict:
     model = common.random_model(shape, c.prompt_len + c.output_len)
     reqs = workload(c)
     rows = []
+    payload = dict(
+        **common.environment(),
+        device=str(jax.devices()[0].device_kind),
+        config=dataclasses.asdict(c),
+        model_shape=dataclasses.asdict(shape),
+        rows=rows,
+    )
     for mode in c.modes:
         warm = engine_for(model, mode, c)
         for _, prompt, n in reqs:
@@ -232,14 +239,13 @@ def main(c: BenchServingConfig) -> dict:
             row.update(run_workload(eng, reqs))
             rows.append(row)
             print(row, flush=True)
+            write(c, payload)  # after every row: a run cut short keeps what it measured
             del eng
-    payload = dict(
-        **common.environment(),
-        device=str(jax.devices()[0].device_kind),
-        config=dataclasses.asdict(c),
-        model_shape=dataclasses.asdict(shape),
-        rows=rows,
-    )
+    return write(c, payload, final=True)
+
+
+def write(c: BenchServingConfig, payload: dict, final: bool = False) -> dict:
+    rows = payload["rows"]
     header = ["mode", "kernel", "output tok/s", "req/s", "peak concurrent", "decode step ms",
               "TTFT p50/p99 s", "TPOT p50/p99 ms", "preemptions", "wall s"]  # fmt: skip
     table = [
@@ -257,8 +263,9 @@ def main(c: BenchServingConfig) -> dict:
         + common.markdown_table(header, table)
     )
     jpath, _ = common.write_results(c.out, "bench_serving", payload, md)
-    print(md)
-    print(f"wrote {jpath}")
+    if final:
+        print(md)
+        print(f"wrote {jpath}")
     return payload
 
 
