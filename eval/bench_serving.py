@@ -12,7 +12,7 @@ then the workload on a fresh engine. Modes, all under the same `--kv-memory-gb`:
 - int2_pallas: paged 2-bit cache, the Pallas decode kernel (GPU default backend).
 - int2_reference: paged 2-bit cache, pure-jnp attention.
 - bf16_paged: paged cache whose full-precision window covers every token, read by the
-  kernel's full-precision page path.
+  BF16 paged Pallas kernel (`decode_attention_bf16`).
 - bf16_dense: one contiguous full-precision row per sequence.
 
 Random weights of real shapes (default Qwen3-8B): the values do not change the time. Output:
@@ -120,7 +120,7 @@ def make_engine(
         keep=max_len if mode == "bf16_paged" else keep,
         flush=page_size,
         page_size=page_size,
-        quant=QuantConfig(bits=bits),
+        quant=None if mode == "bf16_paged" else QuantConfig(bits=bits),
         fp_dtype=fp_dtype,
         max_seq_len=max_len,
         attention="reference" if mode == "int2_reference" else "pallas",

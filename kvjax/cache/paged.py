@@ -94,6 +94,11 @@ class CacheConfig:
             raise ValueError("quant_v given without quant")
 
     @property
+    def all_full_precision(self) -> bool:
+        """No token ever leaves the sink + recent windows (quant_end never passes sink)."""
+        return self.quant_end(self.max_seq_len) == self.sink
+
+    @property
     def value_quant(self) -> QuantConfig | None:
         return self.quant_v if self.quant_v is not None else self.quant
 
@@ -297,10 +302,12 @@ class PagedKVCache:
         from pallas_kernels.decode_attention import decode_attention  # lazy: optional path
 
         plan, cfg, tf = self.plan, self.cfg, self.transforms
+        if cfg.quant is None and cfg.all_full_precision:
+            return self._pallas_decode_fp(layer, q, pools)
         if cfg.quant is None or cfg.quant.bits == 3 or cfg.value_quant.bits != cfg.quant.bits:
             raise ValueError(
                 "the pallas decode path needs packed 2- or 4-bit pages, the same "
-                "width for keys and values"
+                "width for keys and values (or quant=None with keep covering max_seq_len)"
             )
         kc, ks, kz = pools.k_low
         vc, vs, vz = pools.v_low
@@ -328,6 +335,26 @@ class PagedKVCache:
             interpret=jax.default_backend() == "cpu",
         )
         return o[:, None].astype(jnp.float32)
+
+    def _pallas_decode_fp(self, layer, q, pools: LayerPools) -> jax.Array:
+        """An all full-precision cache: the BF16 paged kernel over the fp pages, the
+        transforms applied outside it (query into the key frame, output out of the value
+        frame)."""
+        from pallas_kernels.decode_attention import decode_attention_bf16  # lazy
+
+        tf, plan = self.transforms, self.plan
+        q_t = tf.queries_to_key_frame(layer, q)[:, 0]
+        o_t = decode_attention_bf16(
+            q_t.astype(pools.k_fp.dtype),
+            pools.k_fp,
+            pools.v_fp,
+            plan.fp_table,
+            plan.fp_len + 1,
+            sm_scale=self.sm_scale,
+            backend="tpu" if jax.default_backend() == "tpu" else "gpu",
+            interpret=jax.default_backend() == "cpu",
+        )
+        return tf.outputs_from_value_frame(layer, o_t[:, None].astype(jnp.float32))
 
 
 def _make_pools(mcfg: ModelConfig, ccfg: CacheConfig, n_fp: int, n_q: int) -> LayerPools:

@@ -199,3 +199,20 @@ def test_cancel_and_preempt_free_pages(model):
     eng.run()
     assert len(r2.output) == 20 and r2.preemptions == 1
     assert eng.manager.pages_in_use() == (0, 0)
+
+
+def test_all_full_precision_pages_through_the_bf16_kernel_match_the_reference():
+    """quant=None with the recent window covering max_seq_len: decode reads every token through
+    the BF16 paged kernel (interpret mode here), the transforms applied around it."""
+    cfg = dataclasses.replace(CFG, head_dim=64, num_heads=4, num_kv_heads=2)
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    base = CacheConfig(sink=16, keep=128, flush=16, page_size=16, quant=None, max_seq_len=128)
+    assert base.all_full_precision
+    ecfg = dataclasses.replace(ECFG, prefill_chunk=32, prefill_tokens_per_step=64)
+    ps = prompts(7, (40, 70))
+    outs = [
+        Engine(model, cache_kind="paged", cache_cfg=dataclasses.replace(base, attention=a),
+               engine_cfg=ecfg).generate(ps, 6).tokens
+        for a in ("reference", "pallas")
+    ]  # fmt: skip
+    assert outs[0] == outs[1]

@@ -2,7 +2,6 @@
 operations with shared prompt prefixes on a small page pool, and after every operation checks
 the allocator's books and every live sequence's cache against a from-scratch prefill."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
