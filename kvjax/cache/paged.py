@@ -32,7 +32,7 @@ Page layout and bit packing come from `pallas_kernels.layout`; nothing here does
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import flax.struct
 import jax
@@ -157,6 +157,8 @@ class PagedKVCache:
     plan: StepPlan | None
     cfg: CacheConfig = flax.struct.field(pytree_node=False)
     sm_scale: float = flax.struct.field(pytree_node=False)
+    # A mesh with a "model" axis: the decode kernels then run per device on its KV heads.
+    mesh: Any = flax.struct.field(pytree_node=False, default=None)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -258,6 +260,14 @@ class PagedKVCache:
                 tf.clip_v[layer],
             )
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
+        if self.mesh is not None:  # keep every pool split by KV heads across the calls
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            by_head = NamedSharding(self.mesh, P(None, "model"))
+            new_pools = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, by_head), new_pools
+            )
 
         if cfg.attention == "pallas" and t == 1:
             # the kernel moves q into the key frame and applies B_V itself
@@ -297,6 +307,33 @@ class PagedKVCache:
         vals = jnp.concatenate([vf.astype(jnp.float32), vq, v_t], axis=1)
         return grouped_attention(q_t, keys, vals, mask, sm_scale=self.sm_scale)
 
+    def _per_kv_shard(self, fn, args, kinds):
+        """Runs a kernel call on each device's KV heads when the cache has a "model" mesh axis.
+
+        kinds per argument: "heads" [B, Hq, ...] (output too), "pool" [P, Hkv, ...], "kv"
+        [Hkv, ...] or None (replicated)."""
+        mesh = self.mesh
+        if mesh is None or mesh.shape.get("model", 1) == 1:
+            return fn(*args)
+        from jax.sharding import PartitionSpec as P
+
+        spec = {"heads": P(None, "model"), "pool": P(None, "model"), "kv": P("model"), None: P()}
+        present = [i for i, a in enumerate(args) if a is not None]
+
+        def call(*xs):
+            full = [None] * len(args)
+            for i, x in zip(present, xs):
+                full[i] = x
+            return fn(*full)
+
+        return jax.shard_map(
+            call,
+            mesh=mesh,
+            in_specs=tuple(spec[kinds[i]] for i in present),
+            out_specs=P(None, "model"),
+            check_vma=False,
+        )(*(args[i] for i in present))
+
     def _pallas_decode(self, layer, q, pools: LayerPools) -> jax.Array:
         """Single-token decode through the Pallas kernel, reading packed pages directly."""
         from pallas_kernels.decode_attention import decode_attention  # lazy: optional path
@@ -309,14 +346,23 @@ class PagedKVCache:
                 "the pallas decode path needs packed 2- or 4-bit pages, the same "
                 "width for keys and values (or quant=None with keep covering max_seq_len)"
             )
+        backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+        def run(q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
+                bk_t, bv):  # fmt: skip
+            return decode_attention(
+                q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
+                bk_t, bv, bits=cfg.quant.bits, sm_scale=self.sm_scale, backend=backend,
+                interpret=jax.default_backend() == "cpu",
+            )  # fmt: skip
+
         kc, ks, kz = pools.k_low
         vc, vs, vz = pools.v_low
-        k_fp, v_fp = pools.k_fp, pools.v_fp
-        backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
-        o = decode_attention(
+        bv = None if tf.values_folded else tf.b_v[layer]
+        args = (
             q[:, 0],
-            k_fp,
-            v_fp,
+            pools.k_fp,
+            pools.v_fp,
             plan.fp_table,
             plan.fp_len + 1,
             kc,
@@ -328,12 +374,11 @@ class PagedKVCache:
             plan.low_table,
             plan.low_len,
             jnp.swapaxes(tf.b_k[layer], -1, -2),
-            None if tf.values_folded else tf.b_v[layer],
-            bits=cfg.quant.bits,
-            sm_scale=self.sm_scale,
-            backend=backend,
-            interpret=jax.default_backend() == "cpu",
+            bv,
         )
+        kinds = ("heads", "pool", "pool", None, None, "pool", "pool", "pool", "pool", "pool",
+                 "pool", None, None, "kv", "kv")  # fmt: skip
+        o = self._per_kv_shard(run, args, kinds)
         return o[:, None].astype(jnp.float32)
 
     def _pallas_decode_fp(self, layer, q, pools: LayerPools) -> jax.Array:
@@ -344,16 +389,17 @@ class PagedKVCache:
 
         tf, plan = self.transforms, self.plan
         q_t = tf.queries_to_key_frame(layer, q)[:, 0]
-        o_t = decode_attention_bf16(
-            q_t.astype(pools.k_fp.dtype),
-            pools.k_fp,
-            pools.v_fp,
-            plan.fp_table,
-            plan.fp_len + 1,
-            sm_scale=self.sm_scale,
-            backend="tpu" if jax.default_backend() == "tpu" else "gpu",
-            interpret=jax.default_backend() == "cpu",
-        )
+
+        def run(q, k, v, table, lengths):
+            return decode_attention_bf16(
+                q, k, v, table, lengths, sm_scale=self.sm_scale,
+                backend="tpu" if jax.default_backend() == "tpu" else "gpu",
+                interpret=jax.default_backend() == "cpu",
+            )  # fmt: skip
+
+        args = (q_t.astype(pools.k_fp.dtype), pools.k_fp, pools.v_fp, plan.fp_table,
+                plan.fp_len + 1)  # fmt: skip
+        o_t = self._per_kv_shard(run, args, ("heads", "pool", "pool", None, None))
         return tf.outputs_from_value_frame(layer, o_t[:, None].astype(jnp.float32))
 
 

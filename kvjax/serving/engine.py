@@ -39,12 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from kvjax.cache.allocator import PageManager, PagePoolExhausted
 from kvjax.cache.dense import DenseKVCache
 from kvjax.cache.paged import CacheConfig, PagedKVCache, StepPlan
 from kvjax.cache.transforms import KVTransforms
 from kvjax.models.model import Transformer
+from kvjax.serving import sharding
 from kvjax.serving.sampling import SamplingParams, base_key, sample_rows
 
 MAX_STOP_IDS = 8
@@ -207,7 +209,9 @@ class Engine:
         engine_cfg: EngineConfig | None = None,
         tokenizer=None,
         prefill_chunk: int | None = None,
+        mesh: Mesh | None = None,
     ):
+        """`mesh`: tensor parallelism over its "model" axis (`kvjax.serving.sharding`)."""
         if cache_kind not in ("dense", "paged"):
             raise ValueError(f"cache_kind={cache_kind!r}; use 'dense' or 'paged'")
         ecfg = engine_cfg or EngineConfig()
@@ -228,7 +232,16 @@ class Engine:
         self.transforms = transforms if transforms is not None else KVTransforms.identity(self.cfg)
         self.transforms.check_matches(self.cfg)
         self.graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
         self._build_cache()
+        if mesh is not None:
+            sharding.check_divides(mesh, self.cfg)
+            self.params = jax.device_put(self.params, sharding.param_shardings(mesh, self.params))
+            if self.cache_kind == "paged":
+                self.cache = self.cache.replace(mesh=mesh)
+            self.cache = jax.device_put(self.cache, sharding.cache_shardings(mesh, self.cache))
+            rep = sharding.replicated(mesh)
+            self.transforms = jax.tree.map(lambda x: jax.device_put(x, rep), self.transforms)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
