@@ -233,21 +233,20 @@ class PagedKVCache:
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
-        if plan.flush_src.shape[1] == 0 and t == 1:
-            k_low, v_low = pools.k_low, pools.v_low
-        elif cfg.attention == "pallas" and cfg.quant is not None:
-            # The fused quantize+pack kernel: flushed tokens are already in the stored frame
-            # (identity transform); new tokens going straight to low bits are transformed by
-            # the kernel itself. Single-token decode never sends new tokens to low bits.
-            eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tf.a_k[layer].shape)
-            k_low, v_low = pools.k_low, pools.v_low
-            sets = [(plan.flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
-            if t > 1:
-                sets.append((plan.new_low_dst, k, v, tf.a_k[layer], tf.a_v[layer]))
-            for dst, xk, xv, ak, av in sets:
-                k_low = _store_low_kernel(k_low, dst, xk, ak, cfg.quant, tf.clip_k[layer])
-                v_low = _store_low_kernel(v_low, dst, xv, av, cfg.value_quant, tf.clip_v[layer])
-        else:
+        def store():
+            if cfg.attention == "pallas" and cfg.quant is not None:
+                # The fused quantize+pack kernel: flushed tokens are already in the stored
+                # frame (identity transform); new tokens going straight to low bits are
+                # transformed by the kernel itself.
+                eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tf.a_k[layer].shape)
+                k_low, v_low = pools.k_low, pools.v_low
+                sets = [(plan.flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
+                if t > 1:
+                    sets.append((plan.new_low_dst, k, v, tf.a_k[layer], tf.a_v[layer]))
+                for dst, xk, xv, ak, av in sets:
+                    k_low = _store_low_kernel(k_low, dst, xk, ak, cfg.quant, tf.clip_k[layer])
+                    v_low = _store_low_kernel(v_low, dst, xv, av, cfg.value_quant, tf.clip_v[layer])
+                return k_low, v_low
             dst = jnp.concatenate([plan.flush_dst, plan.new_low_dst], axis=1)
             k_low = _store_low(
                 pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1), cfg.quant, tf.clip_k[layer]
@@ -258,6 +257,19 @@ class PagedKVCache:
                 jnp.concatenate([fv, v_t], axis=1),
                 cfg.value_quant,
                 tf.clip_v[layer],
+            )
+            return k_low, v_low
+
+        if t > 1:
+            k_low, v_low = store()
+        elif plan.flush_src.shape[1] == 0:  # single-token decode never writes new low tokens
+            k_low, v_low = pools.k_low, pools.v_low
+        else:
+            # Decode steps of a planned window all carry flush slots; in most of them no row
+            # flushes (one in `flush` steps per row), and those skip the quantize+pack.
+            drop = self.num_lowbit_pages * cfg.page_size
+            k_low, v_low = jax.lax.cond(
+                jnp.any(plan.flush_dst < drop), store, lambda: (pools.k_low, pools.v_low)
             )
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
         if self.mesh is not None:  # keep every pool split by KV heads across the calls
