@@ -12,7 +12,7 @@ sequence, K and V, all layers) and per prefill-sized call.
 
 Example (GPU)::
 
-    python -m eval.bench_decode --points 8x131072,1x65536 --out runs/bench_decode.json
+    python -m eval.bench_decode --points 8x131072 1x65536 --out runs/bench_decode.json
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from eval.common import environment
+from kvjax import cli
 from pallas_kernels import decode_attention as da
 from pallas_kernels import layout
 from pallas_kernels.decode_attention import api as da_api
@@ -43,6 +44,15 @@ DEFAULT_POINTS = (
     (16, 131072),
     (32, 131072),
 )
+
+
+def parse_point(s: str) -> tuple[int, int]:
+    """ "8x131072" -> (8, 131072)."""
+    try:
+        b, c = s.lower().split("x")
+        return int(b), int(c)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not BATCHxCONTEXT (e.g. 8x131072)") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,36 +73,54 @@ class BenchConfig:
         to attribute time to stages of the kernel.
     """
 
-    points: tuple[tuple[int, int], ...] = DEFAULT_POINTS
-    q_heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    layers: int = 36
-    page_size: int = 16
-    sink: int = 64
-    recent: int = 256
-    variants: tuple[str, ...] = (
-        "int2_pallas",
-        "int4_pallas",
-        "int2_mosaic",
-        "int4_mosaic",
-        "bf16_pallas",
-        "xla_dense_bf16",
-        "cudnn_bf16",
-        "torch_sdpa_bf16",
+    points: tuple[tuple[int, int], ...] = cli.option(
+        DEFAULT_POINTS, "BATCHxCONTEXT points, e.g. 8x131072 1x65536", type=parse_point
     )
-    repeats: int = 7
-    calls_per_repeat: int = 20
-    backend: str = "gpu"
-    num_splits: int | None = None
-    pages_per_block: int | None = None  # None: the kernels' own defaults
-    num_warps: int | None = None
-    num_stages: int | None = None
-    out: str = "runs/bench_decode.json"
-    tune: bool = False
-    lowbit_variants: tuple[str, ...] = ()
-    quantize_pack: bool = True  # also time quantize_pack per decode step
-    quantize_pack_tokens: tuple[int, ...] = (64, 1024, 8192)  # prefill-sized calls timed
+    q_heads: int = cli.option(32, "query heads")
+    kv_heads: int = cli.option(8, "KV heads")
+    head_dim: int = cli.option(128, "head dimension")
+    layers: int = cli.option(36, "layers (quantize_pack cost per decode step)")
+    page_size: int = cli.option(16, "tokens per page")
+    sink: int = cli.option(64, "full-precision sink tokens")
+    recent: int = cli.option(256, "full-precision recent tokens")
+    variants: tuple[str, ...] = cli.option(
+        (
+            "int2_pallas",
+            "int4_pallas",
+            "int2_mosaic",
+            "int4_mosaic",
+            "bf16_pallas",
+            "xla_dense_bf16",
+            "cudnn_bf16",
+            "torch_sdpa_bf16",
+        ),
+        "rows to time (names as in the output table)",
+    )
+    repeats: int = cli.option(7, "timed batches per variant (median reported)")
+    calls_per_repeat: int = cli.option(20, "calls per timed batch, each on its own copy")
+    backend: str = cli.option("gpu", "kernel backend", choices=da.BACKENDS)
+    num_splits: int | None = cli.option(None, "sequence splits (none: the kernel's choice)")
+    pages_per_block: int | None = cli.option(None, "pages per kernel step (none: default)")
+    num_warps: int | None = cli.option(None, "Triton warps (none: default)")
+    num_stages: int | None = cli.option(None, "Triton pipeline stages (none: default)")
+    out: str = cli.option(
+        "runs/bench_decode.json", "JSON path (a .md table beside it); results/ only when asked"
+    )
+    tune: bool = cli.option(False, "the low-bit attribution/tuning sweep instead of the table")
+    lowbit_variants: tuple[str, ...] = cli.option(
+        (), "extra low-bit rows from LOWBIT_VARIANTS (or 'all')"
+    )
+    quantize_pack: bool = cli.option(True, "also time quantize_pack per decode step")
+    quantize_pack_tokens: tuple[int, ...] = cli.option(
+        (64, 1024, 8192), "prefill-sized quantize_pack calls timed"
+    )
+
+    def __post_init__(self):
+        if self.lowbit_variants == ("all",):
+            object.__setattr__(self, "lowbit_variants", tuple(LOWBIT_VARIANTS))
+        unknown = [v for v in self.lowbit_variants if v not in LOWBIT_VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown --lowbit-variants {unknown}; see LOWBIT_VARIANTS")
 
 
 # ------------------------------------------------------------------------------------------
@@ -874,59 +902,10 @@ def main(cfg: BenchConfig) -> dict:
     return result
 
 
-def _parse_points(s: str) -> tuple[tuple[int, int], ...]:
-    pts = []
-    for item in s.split(","):
-        b, c = item.lower().split("x")
-        pts.append((int(b), int(c)))
-    return tuple(pts)
+def parse_args(argv=None) -> BenchConfig:
+    parser = cli.dataclass_parser(BenchConfig, "python -m eval.bench_decode", __doc__)
+    return cli.dataclass_from_args(BenchConfig, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--points",
-        type=_parse_points,
-        default=DEFAULT_POINTS,
-        help="comma-separated BATCHxCONTEXT, e.g. 8x131072,1x65536",
-    )
-    p.add_argument("--variants", default=None, help="comma-separated variant names")
-    p.add_argument("--backend", default="gpu", choices=da.BACKENDS)
-    p.add_argument("--num-splits", type=int, default=None)
-    p.add_argument("--pages-per-block", type=int, default=None)
-    p.add_argument("--num-warps", type=int, default=None)
-    p.add_argument("--num-stages", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument(
-        "--out",
-        default="runs/bench_decode.json",
-        help="JSON path (a .md table beside it); results/ only when asked",
-    )
-    p.add_argument("--tune", action="store_true", help="low-bit attribution/tuning sweep")
-    p.add_argument(
-        "--skip-quantize-pack", action="store_true", help="do not time quantize_pack per step"
-    )
-    p.add_argument(
-        "--lowbit-variants",
-        default="",
-        help="comma-separated extra low-bit rows from LOWBIT_VARIANTS, or 'all'",
-    )
-    a = p.parse_args()
-    c = BenchConfig(
-        points=a.points,
-        backend=a.backend,
-        num_splits=a.num_splits,
-        pages_per_block=a.pages_per_block,
-        num_warps=a.num_warps,
-        num_stages=a.num_stages,
-        repeats=a.repeats,
-        out=a.out,
-        tune=a.tune,
-        quantize_pack=not a.skip_quantize_pack,
-        lowbit_variants=tuple(LOWBIT_VARIANTS)
-        if a.lowbit_variants == "all"
-        else tuple(v for v in a.lowbit_variants.split(",") if v),
-    )
-    if a.variants:
-        c = dataclasses.replace(c, variants=tuple(a.variants.split(",")))
-    main(c)
+    cli.run(main, parse_args)

@@ -78,7 +78,8 @@ def run(
 def option(default: Any = None, help: str = "", **meta: Any) -> Any:
     """A config field that is also a command-line option.
 
-    ``meta`` may set ``flag`` (default ``--field-name``), ``choices``, ``metavar``,
+    ``meta`` may set ``flag`` (default ``--field-name``), ``type`` (parses one value),
+    ``choices``, ``metavar``,
     ``none_flag`` (an extra flag that sets the field to None, e.g. ``--no-serving``), or
     ``cli=False`` (a field with no option). Mutable defaults are not allowed (configs are
     frozen dataclasses of scalars and tuples).
@@ -121,6 +122,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
                 help=f"no {flag[2:]}",
             )
         kind, elem, nargs = _kind(hints[f.name])
+        elem = meta.pop("type", elem)  # a parser for one element (e.g. "8x131072" -> (8, 131072))
         default = f.default
         shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
         suffix = "" if default is None else f" (default: {shown})"

@@ -81,7 +81,7 @@ if [[ $steps == *paged* ]]; then
 fi
 if [[ $steps == *engine* ]]; then
   timeout 240 python3 -m eval.bench_engine --layers 4 --new-tokens 32 \
-    --modes dense,paged_pallas,paged_reference --out "$out/bench_engine.json" > "$out/engine.log" 2>&1
+    --modes bf16_dense int2_pallas int2_reference --out "$out/bench_engine" > "$out/engine.log" 2>&1
   echo "engine rc=$?" >> "$out/gpu.txt"
 fi
 cat "$out/gpu.txt"; tail -n 5 "$out/tests.log" "$out/mosaic_tests.log" "$out/sweep.log" "$out/suite.log" "$out/bench.log" 2>/dev/null

@@ -249,6 +249,8 @@ def test_memory_report_counts_pools_and_beats_bf16():
     assert mem["ratio"] == pytest.approx(16 / mem["allocated_bits_per_element"])
 
 
+@pytest.mark.slow  # CI: bench_serving smoke runs the same engine modes; paged-cache tests check
+# the Pallas path against the reference
 def test_bench_engine_smoke(tmp_path):
     """Tiny model through three Engine modes; the paged Pallas path (interpret mode here)
     must agree with the paged reference path on a decode step that reads low-bit pages."""

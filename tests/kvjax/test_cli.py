@@ -68,6 +68,7 @@ def test_dataclass_parsers_default_to_the_config_and_round_trip():
     from eval import (
         attention_error,
         bench_calibration,
+        bench_decode,
         bench_engine,
         bench_serving,
         perplexity,
@@ -84,6 +85,7 @@ def test_dataclass_parsers_default_to_the_config_and_round_trip():
         (perplexity, perplexity.PerplexityConfig),
         (report, report.ReportConfig),
         (bench_engine, bench_engine.EngineBenchConfig),
+        (bench_decode, bench_decode.BenchConfig),
         (bench_serving, bench_serving.BenchServingConfig),
     ):
         assert mod.parse_args([]) == cls(), cls.__name__
