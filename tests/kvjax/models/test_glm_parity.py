@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.cache.dense import DenseKVCache
-from kvjax.models.hf_loader import load_hf_checkpoint
 from kvjax.models.model import Transformer
 
 torch = pytest.importorskip("torch")
@@ -110,14 +108,7 @@ def make_hf_model(model_type, kw):
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(cfg).float().eval()
-    # Random init leaves norms at 1 and biases at 0, and gives near-uniform router scores;
-    # perturb norms/biases and spread the router logits so every path is exercised.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.mul_(50.0)
+    with torch.no_grad():  # norms, biases and router logits: `parity.perturb` in `pair`
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.2 * torch.randn_like(buf))
@@ -125,47 +116,21 @@ def make_hf_model(model_type, kw):
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, parity):
     model_type, kw = CASES[request.param]
     hf = make_hf_model(model_type, kw)
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d, safe_serialization=True)
-    cfg, weights = load_hf_checkpoint(d)
+    parity.perturb(hf, router_scale=50.0)
+    model, cfg, weights = parity.load(hf, tmp_path_factory.mktemp(request.param))
     assert cfg.model_type == model_type and cfg.rotary_dim == cfg.head_dim // 2
-    model = Transformer.from_weights(cfg, weights)
     return hf, model, cfg, weights
 
 
-def _tol(ref):
-    return 1e-4 * max(1.0, float(np.abs(ref).max()))
+def test_prefill_logits_match(pair, parity):
+    parity.check_prefill(*pair[:3])
 
 
-def _hf_logits(hf, tokens):
-    with torch.no_grad():
-        return hf(torch.tensor(tokens)).logits.numpy()
-
-
-def test_prefill_logits_match(pair):
-    hf, model, cfg, _ = pair
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 24))
-    ref = _hf_logits(hf, tokens)
-    out, _ = jax.jit(lambda t: model(t))(jnp.asarray(tokens, jnp.int32))
-    np.testing.assert_allclose(np.asarray(out), ref, atol=_tol(ref), rtol=0)
-
-
-def test_decode_through_cache_matches(pair):
-    hf, model, cfg, _ = pair
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 12))
-    ref = _hf_logits(hf, tokens)
-    cache = DenseKVCache.create(cfg, batch_size=2, max_len=16)
-    step = jax.jit(lambda tok, c: model(tok, c))
-    out, cache = step(jnp.asarray(tokens[:, :5], jnp.int32), cache)  # 5-token prefill chunk
-    outs = [np.asarray(out)]
-    for t in range(5, tokens.shape[1]):
-        out, cache = step(jnp.asarray(tokens[:, t : t + 1], jnp.int32), cache)
-        outs.append(np.asarray(out))
-    np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=_tol(ref), rtol=0)
-    assert np.asarray(cache.lengths).tolist() == [12, 12]
+def test_decode_through_cache_matches(pair, parity):
+    parity.check_decode(*pair[:3])
 
 
 def test_routed_paths_equal_dense_twin(pair):

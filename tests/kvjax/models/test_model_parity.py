@@ -5,12 +5,8 @@ q/k/v bias on/off, tied/untied embeddings. The check runs full-sequence prefill 
 decode through the dense cache.
 """
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from kvjax.cache.dense import DenseKVCache
 from kvjax.models.hf_loader import load_hf_checkpoint
 from kvjax.models.model import Transformer
 
@@ -51,54 +47,23 @@ def make_hf_model(model_type, heads, kv_heads, head_dim, tied, bias):
         cls = transformers.Qwen2ForCausalLM
     torch.manual_seed(0)
     model = cls(cfg).float().eval()
-    # Random init leaves norms at 1 and biases at 0; perturb them so they are actually tested.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
     return model
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
-    spec = CASES[request.param]
-    hf = make_hf_model(*spec)
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d, safe_serialization=True)
-    cfg, weights = load_hf_checkpoint(d)
-    model = Transformer.from_weights(cfg, weights)
+def pair(request, tmp_path_factory, parity):
+    hf = make_hf_model(*CASES[request.param])
+    parity.perturb(hf)
+    model, cfg, _ = parity.load(hf, tmp_path_factory.mktemp(request.param))
     return hf, model, cfg
 
 
-def _tol(ref):
-    return 1e-4 * max(1.0, float(np.abs(ref).max()))
+def test_prefill_logits_match(pair, parity):
+    parity.check_prefill(*pair)
 
 
-def test_prefill_logits_match(pair):
-    hf, model, cfg = pair
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 24))
-    with torch.no_grad():
-        ref = hf(torch.tensor(tokens)).logits.numpy()
-    out, _ = model(jnp.asarray(tokens, jnp.int32))
-    np.testing.assert_allclose(np.asarray(out), ref, atol=_tol(ref), rtol=0)
-
-
-def test_decode_through_cache_matches(pair):
-    hf, model, cfg = pair
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 12))
-    with torch.no_grad():
-        ref = hf(torch.tensor(tokens)).logits.numpy()
-    cache = DenseKVCache.create(cfg, batch_size=2, max_len=16)
-    step = jax.jit(lambda tok, c: model(tok, c))
-    # A 5-token prefill chunk, then one token at a time.
-    out, cache = step(jnp.asarray(tokens[:, :5], jnp.int32), cache)
-    outs = [np.asarray(out)]
-    for t in range(5, tokens.shape[1]):
-        out, cache = step(jnp.asarray(tokens[:, t : t + 1], jnp.int32), cache)
-        outs.append(np.asarray(out))
-    got = np.concatenate(outs, axis=1)
-    np.testing.assert_allclose(got, ref, atol=_tol(ref), rtol=0)
-    assert np.asarray(cache.lengths).tolist() == [12, 12]
+def test_decode_through_cache_matches(pair, parity):
+    parity.check_decode(*pair)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

@@ -14,9 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache.dense import DenseKVCache
 from kvjax.config import ModelConfig, MoEConfig, UnsupportedModelError
-from kvjax.models.hf_loader import load_hf_checkpoint
 from kvjax.models.model import MissingWeightsError, Transformer, expected_weight_names
 
 torch = pytest.importorskip("torch")
@@ -66,55 +64,24 @@ def make_hf_model(kw):
     cfg = transformers.Qwen3MoeConfig(**COMMON, **kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.mul_(50.0)  # spread router logits so the top-k is far from ties
-    return model
+    return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, parity):
     hf = make_hf_model(CASES[request.param])
-    d = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(d, safe_serialization=True)
-    cfg, weights = load_hf_checkpoint(d)
+    parity.perturb(hf, router_scale=50.0)  # router logits far from top-k ties
+    model, cfg, weights = parity.load(hf, tmp_path_factory.mktemp(request.param))
     assert cfg.moe.sparse_layers == SPARSE[request.param]
-    return hf, Transformer.from_weights(cfg, weights), cfg, weights
+    return hf, model, cfg, weights
 
 
-def _tol(ref):
-    return 1e-4 * max(1.0, float(np.abs(ref).max()))
+def test_prefill_logits_match(pair, parity):
+    parity.check_prefill(*pair[:3])
 
 
-def _hf_logits(hf, tokens):
-    with torch.no_grad():
-        return hf(torch.tensor(tokens)).logits.numpy()
-
-
-def test_prefill_logits_match(pair):
-    hf, model, cfg, _ = pair
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 24))
-    ref = _hf_logits(hf, tokens)
-    out, _ = jax.jit(lambda t: model(t))(jnp.asarray(tokens, jnp.int32))
-    np.testing.assert_allclose(np.asarray(out), ref, atol=_tol(ref), rtol=0)
-
-
-def test_decode_through_cache_matches(pair):
-    hf, model, cfg, _ = pair
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 10))
-    ref = _hf_logits(hf, tokens)
-    cache = DenseKVCache.create(cfg, batch_size=2, max_len=12)
-    step = jax.jit(lambda tok, c: model(tok, c))
-    out, cache = step(jnp.asarray(tokens[:, :4], jnp.int32), cache)
-    outs = [np.asarray(out)]
-    for t in range(4, tokens.shape[1]):
-        out, cache = step(jnp.asarray(tokens[:, t : t + 1], jnp.int32), cache)
-        outs.append(np.asarray(out))
-    np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=_tol(ref), rtol=0)
+def test_decode_through_cache_matches(pair, parity):
+    parity.check_decode(*pair[:3], length=10, prefill=4)
 
 
 def test_routed_path_equals_dense_twin(pair):

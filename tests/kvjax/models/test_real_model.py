@@ -1,7 +1,6 @@
 """The shipped SmolLM2-135M through the Flax port: logits vs transformers on the same GGUF
 weights, and greedy generation through the dense and paged caches."""
 
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
