@@ -382,17 +382,8 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(backend="gpu_mosaic", pages_per_block=1, splits_factor=0.5),
         dict(lowbit_page_size=64),
     ),
-    # Inner-loop strategies (`DecodeConfig.gather` / `int_to_float` / `row_sums`); the GPU
-    # default is rows + asm + deferred since run 11 (prefetch + asm in runs 8-10, pages +
-    # exponent in runs 5-6).
-    "int2_rows_asm": (2, dict(gather="rows", int_to_float="asm"), {}),
-    "int2_prefetch_asm": (2, dict(gather="prefetch", int_to_float="asm"), {}),
-    "int2_prefetch_exponent": (2, dict(gather="prefetch", int_to_float="exponent"), {}),
-    "int2_rows_exponent": (2, dict(gather="rows", int_to_float="exponent"), {}),
-    "int2_rows_convert": (2, dict(gather="rows", int_to_float="convert"), {}),
-    "int2_pages_asm": (2, dict(gather="pages", int_to_float="asm"), {}),
-    "int2_pages_exponent": (2, dict(gather="pages", int_to_float="exponent"), {}),
-    "int4_pages_exponent": (4, dict(gather="pages", int_to_float="exponent"), {}),
+    # The Triton inner loop is rows + asm + deferred (the other strategies measured slower and
+    # were deleted; their rows are in notes/benchmarks_history.md).
     # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
     "int2_fp_segment_only": (2, {}, dict(q_len=0)),
@@ -415,11 +406,6 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_warps1_ppb2": (2, dict(num_warps=1, pages_per_block=2, splits_factor=4), {}),
     "int2_warps2_ppb2": (2, dict(num_warps=2, pages_per_block=2, splits_factor=2), {}),
     "int2_splits_x2": (2, dict(splits_factor=2), {}),
-    # Softmax row sums reduced every step (the loop of runs 7-9) instead of deferred.
-    "int2_per_step": (2, dict(row_sums="per_step"), {}),
-    "int2_warps8_per_step": (2, dict(num_warps=8, row_sums="per_step"), {}),
-    "int2_rows_asm_per_step": (2, dict(gather="rows", int_to_float="asm", row_sums="per_step"), {}),
-    "int2_rows_asm_warps8": (2, dict(gather="rows", int_to_float="asm", num_warps=8), {}),
     "int2_splits_half": (2, dict(splits_factor=0.5), {}),
 }
 

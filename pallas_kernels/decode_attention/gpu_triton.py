@@ -57,8 +57,12 @@ DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True
 # Split partials merged by a Pallas kernel (GPU: `merge_splits`) or by XLA ops (TPU).
 HAS_MERGE_KERNEL = True
-GATHER_MODES = ("prefetch", "rows", "pages")
-INT_TO_FLOAT = ("convert", "exponent", "asm")
+# One inner loop: per-row gathers, inline-PTX unpack, deferred row sums. The other modes
+# measured slower on the H200 and were deleted (their numbers: BENCHMARKS.md and
+# notes/benchmarks_history.md): page gathers + reshape, hand prefetch of the next block,
+# convert/exponent unpack, row sums reduced every step.
+GATHER_MODES = ("rows",)
+INT_TO_FLOAT = ("asm",)
 DEFAULT_GATHER = "rows"
 # Pages per inner step of the low-bit kernel: 4 (64 tokens at page 16) measured faster than 8
 # on the H200 at 8 x 128k (0.79 vs 0.87-0.96 ms, runs 8-9) and no slower at 1 x 64k.
@@ -66,7 +70,7 @@ DEFAULT_PAGES_PER_BLOCK = 4
 # Pages per step of the full-precision loop when the kernel also has a low-bit segment.
 MIXED_FP_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "asm"
-ROW_SUMS = ("deferred", "per_step")
+ROW_SUMS = ("deferred",)
 DEFAULT_ROW_SUMS = "deferred"
 
 
@@ -205,37 +209,25 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         q_pps = qtab_ref.shape[0]
         q_start = split * q_pps * page
         mw = cfg.packed_width
-        rows_mode = cfg.gather in ("rows", "prefetch")
         # Logits in base-2 units straight out of the dots: scale_log2 rides on the query.
         q_chunks16 = [(c * cfg.scale_log2).astype(da.CODE_DOT_DTYPE) for c in q_chunks]
         q_sums = da.tile_group_sums(q_chunks16, pg, ng)
         rows = jnp.arange(t, dtype=jnp.int32)
         row_page, row_slot = rows // page, rows % page  # block-relative page, slot in page
         cols = jnp.arange(mw, dtype=jnp.int32)
-        max_block = q_pps // ppb - 1
-        deferred = cfg.row_sums == "deferred"
 
         def phys_of(j):  # i32[T] physical page of each row of block j
             return qtab_ref[j * ppb + row_page]
 
-        def load_block(j, phys):
-            """Raw tiles of block j: packed K [mw, T] (rows) / [T, mw] (pages), packed V
-            [T, mw], and per-group [1, T] scale/zero rows (unmasked)."""
-            if rows_mode:
-                kp = kc_ref[phys[None, :], row_slot[None, :], cols[:, None]]  # u8[mw, T]
-                vp = vc_ref[phys[:, None], row_slot[:, None], cols[None, :]]  # u8[T, mw]
-                metas = tuple(
-                    tuple(ref[phys, row_slot, g].reshape(1, t) for g in range(ng))
-                    for ref in (ks_ref, kz_ref, vs_ref, vz_ref)
-                )
-            else:
-                pages = qtab_ref[pl.ds(j * ppb, ppb)]  # i32[ppb]
-                kp = kc_ref[pages].reshape(t, mw)
-                vp = vc_ref[pages].reshape(t, mw)
-                metas = tuple(
-                    tuple(ref[pages, :, g].reshape(1, t) for g in range(ng))
-                    for ref in (ks_ref, kz_ref, vs_ref, vz_ref)
-                )
+        def load_block(phys):
+            """Raw tiles of a block: packed K [mw, T] (gathered transposed, per row), packed
+            V [T, mw], and per-group [1, T] scale/zero rows (unmasked)."""
+            kp = kc_ref[phys[None, :], row_slot[None, :], cols[:, None]]  # u8[mw, T]
+            vp = vc_ref[phys[:, None], row_slot[:, None], cols[None, :]]  # u8[T, mw]
+            metas = tuple(
+                tuple(ref[phys, row_slot, g].reshape(1, t) for g in range(ng))
+                for ref in (ks_ref, kz_ref, vs_ref, vz_ref)
+            )
             return kp, vp, metas
 
         def attend_block(j, blk, carry):
@@ -248,7 +240,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             )
             planes = unpack_planes(kp, cfg.bits, cfg.int_to_float, interpret)
             logits = da.tile_lowbit_logits(
-                q_chunks16, q_sums, planes, ks, kz, pg, keys_transposed=rows_mode
+                q_chunks16, q_sums, planes, ks, kz, pg, keys_transposed=True
             )  # base-2 units: the query chunks carry scale_log2
             # Invalid slots get a finite -inf, so exp2 makes them exactly 0 without a second
             # select (m_new is finite: every visited block holds a valid token).
@@ -260,44 +252,23 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             w16 = [(p * vs[g]).astype(da.CODE_DOT_DTYPE) for g in range(ng)]
             # Rounded weights in the correction, so it matches what the dot summed exactly.
             wz = [w16[g].astype(jnp.float32) * vz[g] for g in range(ng)]
-            if deferred:
-                # l and the zero-point correction stay [Gp, T] tiles, rescaled like the
-                # accumulators and reduced once after the loop: the row max is the only
-                # cross-warp reduction per step.
-                l_t = l_t * alpha[:, None] + p
-                corr_t = tuple(corr_t[g] * alpha[:, None] + wz[g] for g in range(ng))
-                ups = [da._dot_nn(w16[pg[i]], planes[i]) for i in range(n)]
-            else:  # l_t / corr_t are [Gp, 1] columns
-                l_t = l_t * alpha[:, None] + jnp.sum(p, axis=1, keepdims=True)
-                corr = [jnp.sum(x, axis=1, keepdims=True) for x in wz]
-                ups = [da._dot_nn(w16[pg[i]], planes[i]) - corr[pg[i]] for i in range(n)]
+            # l and the zero-point correction stay [Gp, T] tiles, rescaled like the
+            # accumulators and reduced once after the loop: the row max is the only cross-warp
+            # reduction per step.
+            l_t = l_t * alpha[:, None] + p
+            corr_t = tuple(corr_t[g] * alpha[:, None] + wz[g] for g in range(ng))
+            ups = [da._dot_nn(w16[pg[i]], planes[i]) for i in range(n)]
             acc = tuple(acc[i] * alpha[:, None] + ups[i] for i in range(n))
             return m_new, acc, l_t, corr_t
 
         nb = _n_blocks(q_len, q_start, t, q_pps // ppb)
-        l_t0 = jnp.zeros((gp, t if deferred else 1), jnp.float32)
-        zero_corr = tuple(jnp.zeros((gp, t if deferred else 1), jnp.float32) for _ in range(ng))
-        state = (m_i, accs, l_t0, zero_corr)
-        if cfg.gather == "prefetch":
-            # Software pipelining by hand: block j+1's tiles are loaded (and block j+2's page
-            # numbers) before block j is computed, so the loads are in flight during the
-            # unpack and the dots instead of stalling the program at the top of each step.
-            def q_body(j, carry):
-                st, blk, phys_next = carry
-                nxt = load_block(j + 1, phys_next)
-                phys_after = phys_of(jnp.minimum(j + 2, max_block))
-                return attend_block(j, blk, st), nxt, phys_after
+        l_t0 = jnp.zeros((gp, t), jnp.float32)
+        zero_corr = tuple(jnp.zeros((gp, t), jnp.float32) for _ in range(ng))
 
-            first = load_block(0, phys_of(0))
-            phys1 = phys_of(jnp.minimum(1, max_block))
-            state, _, _ = jax.lax.fori_loop(0, nb, q_body, (state, first, phys1))
-        else:
+        def q_body(j, carry):
+            return attend_block(j, load_block(phys_of(j)), carry)
 
-            def q_body(j, carry):
-                phys = phys_of(j) if rows_mode else None
-                return attend_block(j, load_block(j, phys), carry)
-
-            state = jax.lax.fori_loop(0, nb, q_body, state)
+        state = jax.lax.fori_loop(0, nb, q_body, (m_i, accs, l_t0, zero_corr))
         m_q, accs, l_t, corr_t = state
         # The full-precision part's l_i and the deferred tiles, both at the final max.
         l_i = l_i * jnp.exp2(m_i - m_q) + jnp.sum(l_t, axis=1)

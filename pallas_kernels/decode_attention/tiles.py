@@ -53,26 +53,22 @@ class DecodeConfig:
       has_query_transform / has_value_inverse: whether the optional matrices are given to
         the split body (the GPU path applies them in separate prologue/epilogue kernels and
         passes ``False`` here).
-      gather: how the GPU body reads a block of low-bit pages. ``"prefetch"``: as ``"rows"``,
-        with the next block's tiles (and the page numbers of the one after) loaded into
-        registers before the current block is computed. ``"rows"``: one 2-D pointer
-        gather per tile (keys loaded already transposed, ``[d/n, T]``), so no reshape or
-        transpose sits between the load and the dot and Triton can load the packed bytes
-        straight into the tensor-core operand layout and unpack them there. ``"pages"``:
-        gather ``[pages, page, d/n]`` and reshape (the first kernel; the reshape and the key
-        transpose force each unpacked float16 plane through shared memory). The TPU body
-        reads one page per grid step and takes ``"pages"`` only.
+      gather: how a body reads a block of low-bit pages (each backend lists its modes in
+        ``GATHER_MODES``). ``"rows"`` (Triton): one 2-D pointer gather per tile (keys loaded
+        already transposed, ``[d/n, T]``), so no reshape or transpose sits between the load
+        and the dot and Triton loads the packed bytes straight into the tensor-core operand
+        layout. ``"pages"`` (TPU): one page per grid step through BlockSpecs. ``"tma"``
+        (Mosaic GPU): a TMA ring.
       int_to_float: how codes become float16 dot operands. ``"convert"``: an int->float
         convert. ``"exponent"``: OR the code into the mantissa of float16 1024.0
         (``0x6400 | c`` is ``1024 + c`` exactly) and subtract 1024, in 16-bit integer and
-        half-precision ops. ``"asm"`` (GPU only): the same trick two codes per 32-bit
-        instruction in inline PTX (`gpu_triton`); in interpret mode it
-        runs the ``"exponent"`` twin, which yields the identical float16 values.
-      row_sums: how the GPU low-bit loop keeps the softmax denominator and the value
-        zero-point correction. ``"deferred"``: as ``[Gp, T]`` tiles rescaled like the
-        accumulators and reduced once after the loop, so the row max is the only cross-warp
-        reduction per step (fewer barriers, more registers). ``"per_step"``: reduced every
-        step. The TPU body reduces per step.
+        half-precision ops. ``"asm"`` (Triton): the same trick two codes per 32-bit
+        instruction in inline PTX (`gpu_triton`); in interpret mode it runs the
+        ``"exponent"`` twin, which yields the identical float16 values.
+      row_sums: how the low-bit loop keeps the softmax denominator and the value zero-point
+        correction. ``"deferred"`` (GPU): as ``[Gp, T]`` tiles rescaled like the accumulators
+        and reduced once after the loop, so the row max is the only cross-warp reduction per
+        step. ``"per_step"`` (TPU): reduced every step.
       group: real query heads per KV head (``<= group_pad``); the GPU body writes only these
         rows of its split partials (a quarter of the bytes at GQA 4), ``None`` = all.
       value_layout: ``"tokens"`` or ``"dims"`` (`pallas_kernels.layout.VALUE_LAYOUTS`).
