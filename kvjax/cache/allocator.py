@@ -183,12 +183,7 @@ class PageManager:
         if key in self.prefixes:
             self.prefixes.move_to_end(key)
             return False
-        entry = copy.deepcopy(s)
-        for pg in entry.sink_pages + list(entry.recent_pages.values()):
-            self.ref_fp[pg] += 1
-        for pg in entry.low_pages:
-            self.ref_low[pg] += 1
-        self.prefixes[key] = entry
+        self.prefixes[key] = self._holder_copy(s)
         return True
 
     def adopt_prefix(self, seq: int, tokens: Sequence[int], lengths: Sequence[int]) -> int:
@@ -203,14 +198,18 @@ class PageManager:
             if entry is None or entry.length != n:
                 continue
             self.prefixes.move_to_end(key)
-            shared = copy.deepcopy(entry)
-            for pg in shared.sink_pages + list(shared.recent_pages.values()):
-                self.ref_fp[pg] += 1
-            for pg in shared.low_pages:
-                self.ref_low[pg] += 1
-            self.seqs[seq] = shared
+            self.seqs[seq] = self._holder_copy(entry)
             return n
         return 0
+
+    def _holder_copy(self, s: _Seq) -> _Seq:
+        """A copy of `s`'s page lists that holds one more reference to each of its pages."""
+        held = copy.deepcopy(s)
+        for pg in held.sink_pages + list(held.recent_pages.values()):
+            self.ref_fp[pg] += 1
+        for pg in held.low_pages:
+            self.ref_low[pg] += 1
+        return held
 
     def evict_prefix(self) -> bool:
         """Drops the least recently used prefix entry; False when there is none."""
