@@ -111,6 +111,7 @@ class Request:
     computed: int = 0  # tokens in the cache
     decoding: bool = False  # cache holds every token but the last output one
     admitted: int = 0  # admission order, for the preemption choice
+    key: np.ndarray | None = None  # the sampling seed's raw key, made once at submit
 
     @property
     def tokens(self) -> list[int]:
@@ -383,6 +384,7 @@ class Engine:
             on_token=on_token,
             submitted_at=time.perf_counter(),
         )
+        req.key = base_key(req.sampling.seed)  # once, not a JAX call per row on every step
         self.waiting.append(req)
         return req
 
@@ -556,7 +558,7 @@ class Engine:
         top_p = np.ones((len(reqs),), np.float32)
         for i, r in enumerate(reqs):
             if r is not None:
-                keys[i] = base_key(r.sampling.seed)
+                keys[i] = r.key
                 temp[i], top_k[i], top_p[i] = (
                     r.sampling.temperature,
                     r.sampling.top_k,
