@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eval import common
+from eval import common, profile_trace
 from eval.bench_serving import MODES, make_engine
 from kvjax import cli
 from kvjax.cache.allocator import PageManager
@@ -47,6 +47,7 @@ class EngineBenchConfig:
     new_tokens: int = cli.option(64, "tokens generated per sequence")
     decode_steps: int = cli.option(16, "decode steps per host sync")
     prefill_chunk: int = cli.option(512, "prefill chunk")
+    prefill_rows: int = cli.option(0, "sequences per prefill call (0: all of the batch)")
     bits: int = cli.option(2, "low-bit width", choices=(2, 4))
     sink: int = cli.option(64, "full-precision sink tokens")
     keep: int = cli.option(256, "full-precision recent tokens")
@@ -55,6 +56,9 @@ class EngineBenchConfig:
         ("bf16_dense", "int2_reference", "int2_pallas"), "caches to time", choices=MODES
     )
     ceiling_gib: float = cli.option(4.0, "GiB read to measure bandwidth (0: skip)")
+    profile_windows: int = cli.option(
+        0, "after timing, trace this many decode windows per mode and total their kernels"
+    )
     out: str = cli.option("runs/bench_engine", "output directory (json + md)")
 
 
@@ -99,8 +103,28 @@ def first_decode_logits(model, eng, prompts: np.ndarray) -> np.ndarray:
     return np.asarray(logits[:, -1], np.float32)
 
 
+def profile_decode(eng, prompts: np.ndarray, c: EngineBenchConfig, trace_dir: str) -> dict:
+    """Kernel times of `c.profile_windows` decode windows once every prompt is decoding."""
+    for p in prompts:
+        eng.submit(p.tolist(), (c.profile_windows + 2) * c.decode_steps)
+    while not all(r.decoding for r in eng.running) or len(eng.running) < len(prompts):
+        eng.step()
+    eng.step()  # one window outside the trace
+    rows, busy = profile_trace.trace_and_summarize(
+        eng.step, trace_dir, repeats=c.profile_windows
+    )
+    steps = c.profile_windows * c.decode_steps
+    return dict(
+        busy_ms_per_step=round(busy / 1e6 / steps, 3),
+        kernels=rows[:40],
+        markdown=profile_trace.markdown(rows, busy, per=steps),
+    )
+
+
 def main(c: EngineBenchConfig) -> dict:
     cli.check(c.batch >= 1 and c.prompt_len >= 1, "--batch and --prompt-len must be >= 1")
+    cli.check(c.prefill_rows >= 0, f"--prefill-rows {c.prefill_rows}: must be >= 0")
+    cli.check(c.profile_windows >= 0, f"--profile-windows {c.profile_windows}: must be >= 0")
     cli.check(c.new_tokens >= 2, f"--new-tokens {c.new_tokens}: >= 2 (one decode step)")
     shape = common.ModelShape(
         c.layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -114,7 +138,7 @@ def main(c: EngineBenchConfig) -> dict:
     ecfg = EngineConfig(
         max_seqs=c.batch,
         prefill_chunk=c.prefill_chunk,
-        prefill_tokens_per_step=c.prefill_chunk * c.batch,
+        prefill_tokens_per_step=c.prefill_chunk * (c.prefill_rows or c.batch),
         decode_steps=c.decode_steps,
         prefix_sharing=False,
     )
@@ -125,7 +149,7 @@ def main(c: EngineBenchConfig) -> dict:
             keep=c.keep, page_size=c.page_size,
         )  # fmt: skip
 
-    rows, tokens, logits = [], {}, {}
+    rows, tokens, logits, profiles = [], {}, {}, {}
     for mode in c.modes:
         # Compile every variant on a short prompt: the shapes depend on the pools and chunk,
         # not on the prompt's length.
@@ -161,6 +185,11 @@ def main(c: EngineBenchConfig) -> dict:
         if ceiling:
             floor = (weight_bytes + cache_bytes) / ceiling
             row.update(floor_ms=round(1e3 * floor, 3), step_over_floor=round(step_s / floor, 3))
+        if c.profile_windows:
+            prof = profile_decode(engine(mode), prompts, c, f"{c.out}/trace_{mode}")
+            row["profile_busy_ms_per_step"] = prof["busy_ms_per_step"]
+            profiles[mode] = prof
+            print(prof["markdown"], flush=True)
         rows.append(row)
         print(row, flush=True)
         if c.prompt_len * c.batch <= 1 << 16:  # the logits check re-prefills without chunking
@@ -188,6 +217,7 @@ def main(c: EngineBenchConfig) -> dict:
         config=dataclasses.asdict(c),
         rows=rows,
         checks=checks,
+        profiles={m: {k: v for k, v in p.items() if k != "markdown"} for m, p in profiles.items()},
     )
     header = ["mode", "decode step ms", "floor ms", "step / floor", "decode tok/s",
               "prefill tok/s"]  # fmt: skip
@@ -201,6 +231,11 @@ def main(c: EngineBenchConfig) -> dict:
         f"{payload['device']}, jax {payload['jax_version']}; batch {c.batch} x "
         f"{c.prompt_len} prompt tokens, {c.layers} layers\n\n"
         + common.markdown_table(header, table)
+        + "".join(
+            f"\n## Kernels of a decode step, {m} (profile of {c.profile_windows} windows)\n\n"
+            + p["markdown"]
+            for m, p in profiles.items()
+        )
     )
     jpath, _ = common.write_results(c.out, "bench_engine", payload, md)
     print(md, "\n", checks, "->", jpath)
