@@ -16,6 +16,7 @@ attention paths), with the 2-bit cache's own error against the dense cache for s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -30,6 +31,7 @@ from kvjax import cli
 from kvjax.cache.allocator import PageManager
 from kvjax.cache.dense import DenseKVCache
 from kvjax.cache.paged import PagedKVCache
+from kvjax.serving import engine as engine_mod
 from kvjax.serving.engine import EngineConfig
 
 
@@ -56,6 +58,11 @@ class EngineBenchConfig:
         ("bf16_dense", "int2_reference", "int2_pallas"), "caches to time", choices=MODES
     )
     ceiling_gib: float = cli.option(4.0, "GiB read to measure bandwidth (0: skip)")
+    synthetic_prefill: bool = cli.option(
+        False,
+        "skip the prefill's device work (pages keep their initial values; the decode step's "
+        "time does not depend on them): long contexts in seconds, no prefill figures",
+    )
     profile_windows: int = cli.option(
         0, "after timing, trace this many decode windows per mode and total their kernels"
     )
@@ -103,19 +110,37 @@ def first_decode_logits(model, eng, prompts: np.ndarray) -> np.ndarray:
     return np.asarray(logits[:, -1], np.float32)
 
 
+@contextlib.contextmanager
+def prefill_skipped(enabled: bool):
+    """The engine's prefill call replaced by one that leaves the cache as it is and draws
+    token 0: the engine's bookkeeping (pages, lengths, plans) runs exactly as in a real
+    prefill, so the decode windows after it read as many pages as after a real one."""
+    real = engine_mod._prefill_call
+    if enabled:
+
+        def skip(graphdef, params, tf, cache, tokens, logits_at, samp):
+            return jnp.zeros(tokens.shape[:1], jnp.int32), cache
+
+        engine_mod._prefill_call = skip
+    try:
+        yield
+    finally:
+        engine_mod._prefill_call = real
+
+
 def profile_decode(eng, prompts: np.ndarray, c: EngineBenchConfig, trace_dir: str) -> dict:
     """Kernel times of `c.profile_windows` decode windows once every prompt is decoding."""
     for p in prompts:
-        eng.submit(p.tolist(), (c.profile_windows + 2) * c.decode_steps)
+        eng.submit(p.tolist(), c.new_tokens)
     while not all(r.decoding for r in eng.running) or len(eng.running) < len(prompts):
         eng.step()
     eng.step()  # one window outside the trace
-    rows, busy = profile_trace.trace_and_summarize(
-        eng.step, trace_dir, repeats=c.profile_windows
-    )
+    decoding = sum(r.decoding for r in eng.running)
+    rows, busy = profile_trace.trace_and_summarize(eng.step, trace_dir, repeats=c.profile_windows)
     steps = c.profile_windows * c.decode_steps
     return dict(
         busy_ms_per_step=round(busy / 1e6 / steps, 3),
+        rows_decoding=decoding,
         kernels=rows[:40],
         markdown=profile_trace.markdown(rows, busy, per=steps),
     )
@@ -125,6 +150,12 @@ def main(c: EngineBenchConfig) -> dict:
     cli.check(c.batch >= 1 and c.prompt_len >= 1, "--batch and --prompt-len must be >= 1")
     cli.check(c.prefill_rows >= 0, f"--prefill-rows {c.prefill_rows}: must be >= 0")
     cli.check(c.profile_windows >= 0, f"--profile-windows {c.profile_windows}: must be >= 0")
+    need = (c.profile_windows + 1) * c.decode_steps + 1 if c.profile_windows else 0
+    cli.check(
+        c.new_tokens >= need,
+        f"--new-tokens {c.new_tokens}: --profile-windows {c.profile_windows} needs >= {need} "
+        f"(one untraced window, then the traced ones, of --decode-steps {c.decode_steps})",
+    )
     cli.check(c.new_tokens >= 2, f"--new-tokens {c.new_tokens}: >= 2 (one decode step)")
     shape = common.ModelShape(
         c.layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -135,15 +166,15 @@ def main(c: EngineBenchConfig) -> dict:
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
     ceiling = read_ceiling(c.ceiling_gib if jax.default_backend() != "cpu" else 0.0)
     prompts = np.random.default_rng(0).integers(0, shape.vocab_size, (c.batch, c.prompt_len))
-    ecfg = EngineConfig(
-        max_seqs=c.batch,
-        prefill_chunk=c.prefill_chunk,
-        prefill_tokens_per_step=c.prefill_chunk * (c.prefill_rows or c.batch),
-        decode_steps=c.decode_steps,
-        prefix_sharing=False,
-    )
 
-    def engine(mode):
+    def engine(mode, prefill_rows=c.prefill_rows or c.batch):
+        ecfg = EngineConfig(
+            max_seqs=c.batch,
+            prefill_chunk=c.prefill_chunk,
+            prefill_tokens_per_step=c.prefill_chunk * prefill_rows,
+            decode_steps=c.decode_steps,
+            prefix_sharing=False,
+        )
         return make_engine(
             model, mode, max_len=max_len, engine_cfg=ecfg, bits=c.bits, sink=c.sink,
             keep=c.keep, page_size=c.page_size,
@@ -151,48 +182,57 @@ def main(c: EngineBenchConfig) -> dict:
 
     rows, tokens, logits, profiles = [], {}, {}, {}
     for mode in c.modes:
-        # Compile every variant on a short prompt: the shapes depend on the pools and chunk,
-        # not on the prompt's length.
-        engine(mode).generate(prompts[:, : 2 * c.prefill_chunk + 1].tolist(), c.new_tokens)
-        eng = engine(mode)
-        t0 = time.perf_counter()
-        res = eng.generate(prompts.tolist(), c.new_tokens)
-        wall = time.perf_counter() - t0
-        tokens[mode] = np.asarray(res.tokens)
-        # Bytes a decode step reads from the cache: the pages the sequences hold at the end.
-        if eng.manager is not None:
-            fp_b, low_b = eng._page_bytes()
-            n_fp = n_low = 0
-            for p in prompts:
-                f, lo = eng.manager.pages_for(len(p) + c.new_tokens)
-                n_fp, n_low = n_fp + f, n_low + lo
-            cache_bytes = n_fp * fp_b + n_low * low_b
-        else:
-            per_token = 2 * shape.layers * shape.num_kv_heads * shape.head_dim
-            cache_bytes = per_token * c.batch * max_len * jnp.dtype(model.dtype).itemsize
-        step_s = res.decode_seconds / max(res.decode_steps, 1)
-        row = dict(
-            mode=mode,
-            prefill_s=round(res.prefill_seconds, 4),
-            prefill_tok_per_s=round(c.batch * c.prompt_len / res.prefill_seconds, 1),
-            decode_steps=res.decode_steps,
-            decode_step_ms=round(1e3 * step_s, 3),
-            decode_tok_per_s=round(res.decode_tokens_per_second, 1),
-            weight_bytes=int(weight_bytes),
-            cache_read_bytes=int(cache_bytes),
-            wall_s=round(wall, 2),
-        )
-        if ceiling:
-            floor = (weight_bytes + cache_bytes) / ceiling
-            row.update(floor_ms=round(1e3 * floor, 3), step_over_floor=round(step_s / floor, 3))
+        with prefill_skipped(c.synthetic_prefill):
+            # Compile every variant on a short prompt: the shapes depend on the pools and chunk,
+            # not on the prompt's length.
+            engine(mode).generate(prompts[:, : 2 * c.prefill_chunk + 1].tolist(), c.new_tokens)
+            eng = engine(mode)
+            t0 = time.perf_counter()
+            res = eng.generate(prompts.tolist(), c.new_tokens)
+            wall = time.perf_counter() - t0
+            tokens[mode] = np.asarray(res.tokens)
+            # Bytes a decode step reads from the cache: the pages the sequences hold at the end.
+            if eng.manager is not None:
+                fp_b, low_b = eng._page_bytes()
+                n_fp = n_low = 0
+                for p in prompts:
+                    f, lo = eng.manager.pages_for(len(p) + c.new_tokens)
+                    n_fp, n_low = n_fp + f, n_low + lo
+                cache_bytes = n_fp * fp_b + n_low * low_b
+            else:
+                per_token = 2 * shape.layers * shape.num_kv_heads * shape.head_dim
+                cache_bytes = per_token * c.batch * max_len * jnp.dtype(model.dtype).itemsize
+            step_s = res.decode_seconds / max(res.decode_steps, 1)
+            row = dict(
+                mode=mode,
+                prefill_s=None if c.synthetic_prefill else round(res.prefill_seconds, 4),
+                prefill_tok_per_s=None
+                if c.synthetic_prefill
+                else round(c.batch * c.prompt_len / res.prefill_seconds, 1),
+                decode_steps=res.decode_steps,
+                decode_step_ms=round(1e3 * step_s, 3),
+                decode_tok_per_s=round(res.decode_tokens_per_second, 1),
+                weight_bytes=int(weight_bytes),
+                cache_read_bytes=int(cache_bytes),
+                wall_s=round(wall, 2),
+            )
+            if ceiling:
+                floor = (weight_bytes + cache_bytes) / ceiling
+                row.update(floor_ms=round(1e3 * floor, 3), step_over_floor=round(step_s / floor, 3))
         if c.profile_windows:
-            prof = profile_decode(engine(mode), prompts, c, f"{c.out}/trace_{mode}")
+            # Every row prefilled in the same steps (skipped: only the decode is traced), so
+            # all of them decode in the traced windows.
+            with prefill_skipped(True):
+                prof = profile_decode(
+                    engine(mode, prefill_rows=c.batch), prompts, c, f"{c.out}/trace_{mode}"
+                )
             row["profile_busy_ms_per_step"] = prof["busy_ms_per_step"]
             profiles[mode] = prof
             print(prof["markdown"], flush=True)
         rows.append(row)
         print(row, flush=True)
-        if c.prompt_len * c.batch <= 1 << 16:  # the logits check re-prefills without chunking
+        # The logits check re-prefills without chunking (and means nothing on skipped prefills).
+        if c.prompt_len * c.batch <= 1 << 16 and not c.synthetic_prefill:
             logits[mode] = first_decode_logits(model, eng, prompts)
 
     def rel_err(a, b):
