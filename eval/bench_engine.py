@@ -91,7 +91,7 @@ def first_decode_logits(model, eng, prompts: np.ndarray) -> np.ndarray:
     b, t = prompts.shape
 
     @jax.jit
-    def step(tokens, cache):
+    def step(params, tokens, cache):  # params an argument: closed over they are constants
         return nnx.merge(graphdef, params)(tokens, cache)
 
     if eng.cache_kind == "dense":
@@ -106,7 +106,7 @@ def first_decode_logits(model, eng, prompts: np.ndarray) -> np.ndarray:
         chunk = prompts[:, i : i + c] if i < t else np.zeros((b, 1), np.int32)
         if mgr is not None:
             cache = mgr.prepare(cache, chunk.shape[1])
-        logits, cache = step(jnp.asarray(chunk), cache)
+        logits, cache = step(params, jnp.asarray(chunk), cache)
     return np.asarray(logits[:, -1], np.float32)
 
 
@@ -137,8 +137,15 @@ def profile_decode(eng, prompts: np.ndarray, c: EngineBenchConfig, trace_dir: st
     eng.step()  # one window outside the trace
     decoding = sum(r.decoding for r in eng.running)
     rows, busy = profile_trace.trace_and_summarize(eng.step, trace_dir, repeats=c.profile_windows)
+    # The profiler can drop a window's device events: count the steps it saw by the decode
+    # kernel's launches (one per layer per step), not by the windows run.
     steps = c.profile_windows * c.decode_steps
+    per_layer = [r["count"] for r in rows if r["name"].startswith(("paged_decode_bf16",
+                 "paged_decode_int"))]  # fmt: skip
+    if per_layer:
+        steps = max(1, per_layer[0] // c.layers)
     return dict(
+        steps_seen=steps,
         busy_ms_per_step=round(busy / 1e6 / steps, 3),
         rows_decoding=decoding,
         kernels=rows[:40],
@@ -234,6 +241,7 @@ def main(c: EngineBenchConfig) -> dict:
         # The logits check re-prefills without chunking (and means nothing on skipped prefills).
         if c.prompt_len * c.batch <= 1 << 16 and not c.synthetic_prefill:
             logits[mode] = first_decode_logits(model, eng, prompts)
+        del eng  # its pools, before the next mode's are made
 
     def rel_err(a, b):
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30))
