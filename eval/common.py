@@ -32,7 +32,7 @@ from flax import nnx
 from kvjax import assets
 from kvjax.cache.allocator import PageManager
 from kvjax.cache.attention import split_heads_by_group
-from kvjax.cache.paged import CacheConfig, PagedKVCache
+from kvjax.cache.paged import CacheConfig, LayerPolicy, PagedKVCache
 from kvjax.cache.quantizers import QuantConfig, dequantize, quantize
 from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
@@ -166,6 +166,8 @@ class WindowedQuantCache:
     chunk: int = flax.struct.field(pytree_node=False)
     sm_scale: float = flax.struct.field(pytree_node=False)
     decode_from: int | None = flax.struct.field(pytree_node=False, default=None)
+    # Per layer window and quantizers, as the paged cache resolves them (sliding layers).
+    layers: tuple[LayerPolicy, ...] = flax.struct.field(pytree_node=False, default=())
 
     @classmethod
     def create(
@@ -185,8 +187,9 @@ class WindowedQuantCache:
             lengths=jnp.zeros((batch_size,), jnp.int32),
             cfg=cache_cfg,
             chunk=chunk,
-            sm_scale=model_cfg.head_dim**-0.5,
+            sm_scale=model_cfg.attention_scale,
             decode_from=decode_from,
+            layers=cache_cfg.layer_policies(model_cfg),
         )
 
     def attend(
@@ -198,18 +201,22 @@ class WindowedQuantCache:
         positions: jax.Array,  # i32[B, T]
     ) -> tuple[jax.Array, WindowedQuantCache]:
         tf, cfg = self.transforms, self.cfg
+        pol = self.layers[layer] if self.layers else LayerPolicy(None, cfg.quant, cfg.value_quant)
         hkv = k.shape[2]
         # The stored frames, as the paged cache forms them: k A_K, v A_V, q B_K^T.
         k_t = tf.keys_to_stored(layer, k)
         v_t = tf.values_to_stored(layer, v)
         q_t = split_heads_by_group(tf.queries_to_key_frame(layer, q), hkv)  # [B, T, K, G, J]
-        k_lo = _roundtrip_stored(k_t, cfg.quant, tf.clip_k[layer])
-        v_lo = _roundtrip_stored(v_t, cfg.value_quant, tf.clip_v[layer])
+        k_lo = _roundtrip_stored(k_t, pol.quant, tf.clip_k[layer])
+        v_lo = _roundtrip_stored(v_t, pol.quant_v, tf.clip_v[layer])
 
         low = low_bit_mask(positions, cfg, self.chunk, self.decode_from)[
             :, None, None
         ]  # [B, 1, 1, T, S]
-        causal = positions[:, None, None, None, :] <= positions[:, None, None, :, None]
+        diff = positions[:, None, None, :, None] - positions[:, None, None, None, :]
+        causal = diff >= 0  # [B, 1, 1, T, S]
+        if pol.window is not None:  # sliding-window layer: keys within the window only
+            causal &= diff < pol.window
         s_fp = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_t)  # [B, K, G, T, S]
         s_lo = jnp.einsum("BTKGH,BSKH->BKGTS", q_t, k_lo)
         s = jnp.where(low, s_lo, s_fp) * self.sm_scale

@@ -1,8 +1,9 @@
 """Model configuration: frozen dataclasses describing a decoder-only transformer.
 
 `ModelConfig` covers the architectures kvjax ports: Llama/SmolLM2, Qwen2, Qwen3, GLM-4
-(`glm4`), GLM-4.5/4.6/4.7 (`glm4_moe`) and Qwen3-MoE (`qwen3_moe`). Mixture-of-experts options
-live in their own small dataclass, `MoEConfig`. Both are built from a HuggingFace
+(`glm4`), GLM-4.5/4.6/4.7 (`glm4_moe`), Qwen3-MoE (`qwen3_moe`) and Gemma 3's text decoder
+(`gemma3_text`, or the `text_config` of a multimodal `gemma3` checkpoint). Mixture-of-experts
+options live in their own small dataclass, `MoEConfig`. Both are built from a HuggingFace
 `config.json` dict by `ModelConfig.from_hf_dict`, which is also where unsupported
 architectures and option values are rejected.
 """
@@ -16,7 +17,23 @@ from typing import Any
 
 # Fields added after the first release; hashed into `fingerprint` only when they differ from
 # their defaults, so transforms calibrated before they existed still match their model.
-_LATER_FIELDS = ("rope_interleaved", "sandwich_norms", "moe")
+_LATER_FIELDS = (
+    "rope_interleaved",
+    "sandwich_norms",
+    "moe",
+    "hidden_act",
+    "norm_style",
+    "scale_embeddings",
+    "query_pre_attn_scalar",
+    "final_logit_softcapping",
+    "layer_types",
+    "sliding_window",
+    "rope_local_theta",
+)
+
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
+NORM_STYLES: tuple[str, ...] = ("plain", "gemma")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
 class UnsupportedModelError(ValueError):
@@ -35,6 +52,7 @@ class _Family:
     partial_rotary_default: float = 1.0
     reads_partial_rotary: bool = True  # False: HF ignores partial_rotary_factor (full RoPE)
     moe: str | None = None  # "glm4_moe" | "qwen3_moe": which router/layer-placement scheme
+    gemma: bool = False  # Gemma 3: (1 + w) norms, scaled embeddings, GeGLU, local/global layers
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -66,7 +84,18 @@ _FAMILIES: dict[str, _Family] = {
         reads_partial_rotary=False,
         moe="qwen3_moe",
     ),
+    # Gemma 3 text decoder: q/k norm, four norms per layer, sliding-window layers.
+    "gemma3_text": _Family(
+        qk_norm=True,
+        bias_default=False,
+        o_proj_follows_bias=True,
+        sandwich_norms=True,
+        reads_partial_rotary=False,
+        gemma=True,
+    ),
 }
+# A multimodal Gemma 3 checkpoint: its `text_config` describes the decoder kvjax runs.
+_FAMILIES["gemma3"] = _FAMILIES["gemma3_text"]
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
 
 ROUTER_SCORINGS: tuple[str, ...] = ("softmax", "sigmoid")
@@ -161,9 +190,22 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # RoPE pairs channels (2i, 2i+1) (GLM-4) instead of (i, i + rotary_dim/2) (rotate-half).
     rope_interleaved: bool = False
-    # RMSNorm on the attention output and on the MLP output before each residual add (GLM-4).
+    # RMSNorm on the attention output and on the MLP output before each residual add (GLM-4,
+    # Gemma 3).
     sandwich_norms: bool = False
     moe: MoEConfig | None = None
+    hidden_act: str = "silu"  # MLP gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    # "plain": RMSNorm scales by w. "gemma": by (1 + w) in float32 (weights are stored as offsets
+    # from one), and the four per-layer norms carry Gemma's HF names.
+    norm_style: str = "plain"
+    scale_embeddings: bool = False  # token embeddings times sqrt(hidden_size) (not the tied head)
+    query_pre_attn_scalar: float | None = None  # softmax scale is this ** -0.5 (default head_dim)
+    final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
+    # Per layer "full_attention" or "sliding_attention"; None: every layer full. A sliding layer
+    # at query position t sees keys at positions s with t - sliding_window < s <= t.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (None: rope_theta)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -176,6 +218,30 @@ class ModelConfig:
                 f"rotary dim {rot} (head_dim={self.head_dim} * partial_rotary_factor="
                 f"{self.partial_rotary_factor}) must be a positive even number"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act={self.hidden_act!r}; supported: {HIDDEN_ACTS}")
+        if self.norm_style not in NORM_STYLES:
+            raise ValueError(f"norm_style={self.norm_style!r}; supported: {NORM_STYLES}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"num_layers={self.num_layers}"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types holds {bad}; supported: {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and (
+                self.sliding_window is None or self.sliding_window < 1
+            ):
+                raise ValueError(
+                    f"sliding_window={self.sliding_window} must be a positive token count when "
+                    "layer_types has sliding_attention layers"
+                )
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be > 0")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} must be > 0")
         if self.moe is not None and any(
             not 0 <= i < self.num_layers for i in self.moe.sparse_layers
         ):
@@ -201,6 +267,29 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of q . k: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        base = self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return float(base) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding-window length of layer `layer` in tokens, or None for full causal attention."""
+        if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """`layer_window` of every layer, in order."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """RoPE base of layer `layer`: `rope_local_theta` for sliding layers when set."""
+        if self.layer_window(layer) is not None and self.rope_local_theta is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture-of-experts block."""
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -215,6 +304,8 @@ class ModelConfig:
             d["eos_token_id"] = tuple(d["eos_token_id"])
         if isinstance(d.get("moe"), dict):
             d["moe"] = MoEConfig.from_dict(d["moe"])
+        if isinstance(d.get("layer_types"), list):
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -233,8 +324,9 @@ class ModelConfig:
 
         Raises:
             UnsupportedModelError: unknown `model_type` or an option this port cannot honour
-                (non-default RoPE scaling, an activation other than SiLU, sliding-window
-                attention, an unknown router scoring or top-k method, ...), naming the value.
+                (non-default RoPE scaling, an activation other than SiLU (GeGLU for Gemma 3),
+                Qwen-style sliding-window attention, an unknown router scoring or top-k method,
+                attention logit soft-capping, ...), naming the value.
         """
         model_type = hf.get("model_type")
         if model_type not in _FAMILIES:
@@ -243,6 +335,8 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         fam = _FAMILIES[model_type]
+        if fam.gemma:
+            return _gemma3_config(cls, hf)
         rope_params = hf.get("rope_parameters") or {}
         # transformers < 5 writes `rope_scaling`; >= 5 writes `rope_parameters` (with theta).
         for key, rope in (
@@ -303,6 +397,123 @@ class ModelConfig:
             sandwich_norms=fam.sandwich_norms,
             moe=moe,
         )
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[float, float]:
+    """(global RoPE base, local RoPE base) of a Gemma 3 text config, default RoPE only.
+
+    transformers >= 5 writes `rope_parameters` keyed by layer type; older configs write
+    `rope_theta`, `rope_local_base_freq` and `rope_scaling` (applied to global layers).
+    Absent values take transformers' Gemma 3 defaults (1e6 global, 1e4 local).
+    """
+    params = hf.get("rope_parameters") or {}
+    if params and not all(isinstance(v, dict) for v in params.values()):
+        params = {"full_attention": params}  # one dict for every layer type
+    theta = {
+        "full_attention": hf.get("rope_theta"),
+        "sliding_attention": hf.get("rope_local_base_freq"),
+    }
+    for layer_type, rope in params.items():
+        if layer_type not in LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"rope_parameters has an entry for layer type {layer_type!r}; known: {LAYER_TYPES}"
+            )
+        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            raise UnsupportedModelError(
+                f"rope_parameters[{layer_type!r}]={rope!r} is not supported (only default RoPE)"
+            )
+        if rope.get("rope_theta") is not None:
+            theta[layer_type] = rope["rope_theta"]
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise UnsupportedModelError(
+            f"rope_scaling={scaling!r} is not supported (only default RoPE)"
+        )
+    g = theta["full_attention"]
+    loc = theta["sliding_attention"]
+    return float(1e6 if g is None else g), float(1e4 if loc is None else loc)
+
+
+def _gemma3_config(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig of a Gemma 3 text decoder (`gemma3_text`, or `gemma3`'s `text_config`).
+
+    Missing keys take the defaults of transformers' `Gemma3TextConfig` where the decoder's
+    behaviour depends on them (layer pattern every 6th layer global, local RoPE base 1e4,
+    query_pre_attn_scalar 256, tied embeddings).
+    """
+    top = hf
+    if hf.get("model_type") == "gemma3":
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise UnsupportedModelError("model_type='gemma3' config.json lacks a text_config dict")
+        hf = {"tie_word_embeddings": top.get("tie_word_embeddings", True), **text}
+    act = hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(
+            f"hidden_activation={act!r} is not supported for gemma3 (only 'gelu_pytorch_tanh')"
+        )
+    if hf.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError(
+            f"attn_logit_softcapping={hf['attn_logit_softcapping']!r} is not supported "
+            "(Gemma 3 checkpoints leave it None)"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(
+            "use_bidirectional_attention=True is not supported (causal decoders only)"
+        )
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        if pattern < 1:
+            raise UnsupportedModelError(f"sliding_window_pattern={pattern} must be >= 1")
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    bad = sorted(set(layer_types) - set(LAYER_TYPES))
+    if bad:
+        raise UnsupportedModelError(f"layer_types holds {bad}; supported: {LAYER_TYPES}")
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(
+            f"layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}"
+        )
+    window = hf.get("sliding_window", 4096)
+    if "sliding_attention" in layer_types and (window is None or int(window) < 1):
+        raise UnsupportedModelError(f"sliding_window={window!r} must be a positive token count")
+    rope_global, rope_local = _gemma3_rope(hf)
+    num_heads = int(hf["num_attention_heads"])
+    bias = bool(hf.get("attention_bias", False))
+    eos = hf.get("eos_token_id", top.get("eos_token_id"))
+    softcap = hf.get("final_logit_softcapping")
+    return cls(
+        model_type="gemma3_text",
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or 256),
+        rope_theta=rope_global,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        attention_bias=bias,
+        o_proj_bias=bias,
+        qk_norm=True,
+        bos_token_id=hf.get("bos_token_id", top.get("bos_token_id")),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        sandwich_norms=True,
+        hidden_act="gelu_pytorch_tanh",
+        norm_style="gemma",
+        scale_embeddings=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=None if softcap is None else float(softcap),
+        layer_types=tuple(layer_types),
+        sliding_window=None if window is None else int(window),
+        rope_local_theta=rope_local,
+    )
 
 
 def _checked_moe(**kw: Any) -> MoEConfig:

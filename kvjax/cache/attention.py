@@ -54,12 +54,24 @@ def grouped_attention(
     return o.reshape(q.shape).astype(jnp.float32)
 
 
-def causal_mask(q_positions: jax.Array, kv_positions: jax.Array, kv_valid: jax.Array) -> jax.Array:
+def causal_mask(
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    kv_valid: jax.Array,
+    window: int | None = None,
+) -> jax.Array:
     """bool[B, T, S]: key s visible to query t iff valid and kv_pos[s] <= q_pos[t].
 
     Args:
       q_positions: i32[B, T] absolute positions of the queries.
       kv_positions: i32[B, S] absolute positions of the keys.
       kv_valid: bool[B, S] which key slots hold data.
+      window: sliding-window length (Gemma 3's local layers): additionally require
+        q_pos[t] - kv_pos[s] < window, so a query sees itself and the window - 1 keys before it.
+        None: full causal attention.
     """
-    return (kv_positions[:, None, :] <= q_positions[:, :, None]) & kv_valid[:, None, :]
+    diff = q_positions[:, :, None] - kv_positions[:, None, :]  # [B, T, S]
+    mask = (diff >= 0) & kv_valid[:, None, :]
+    if window is not None:
+        mask &= diff < window
+    return mask

@@ -35,13 +35,17 @@ class DenseKVCache:
     """Contiguous full-precision cache: per layer k, v of shape [B, S_max, Hkv, d].
 
     Sequences in a batch may hold different lengths (`lengths`); a call appends the same number
-    of new tokens to each.
+    of new tokens to each. Slot s holds position s. Layers with a sliding window
+    (`ModelConfig.layer_windows`) mask keys more than `window - 1` positions behind the query;
+    they still store every token (the buffer is one array per layer).
     """
 
     k: tuple[jax.Array, ...]  # per layer f[B, S_max, Hkv, d]
     v: tuple[jax.Array, ...]
     lengths: jax.Array  # i32[B]
     sm_scale: float = flax.struct.field(pytree_node=False)
+    # Per layer sliding-window length or None (full causal); () means no layer slides.
+    windows: tuple[int | None, ...] = flax.struct.field(pytree_node=False, default=())
 
     @classmethod
     def create(
@@ -60,7 +64,8 @@ class DenseKVCache:
             k=zeros,
             v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
             lengths=jnp.asarray(lengths, jnp.int32),
-            sm_scale=cfg.head_dim**-0.5,
+            sm_scale=cfg.attention_scale,
+            windows=cfg.layer_windows,
         )
 
     @property
@@ -88,8 +93,9 @@ class DenseKVCache:
         s_max = kl.shape[1]
         kv_pos = jnp.broadcast_to(jnp.arange(s_max, dtype=jnp.int32), (kl.shape[0], s_max))
         valid = kv_pos < (self.lengths + q.shape[1])[:, None]
+        window = self.windows[layer] if self.windows else None
         o = grouped_attention(
-            q, kl, vl, causal_mask(positions, kv_pos, valid), sm_scale=self.sm_scale
+            q, kl, vl, causal_mask(positions, kv_pos, valid, window), sm_scale=self.sm_scale
         )
         new = self.replace(
             k=self.k[:layer] + (kl,) + self.k[layer + 1 :],

@@ -26,6 +26,15 @@ Within one call, the new tokens' queries attend to everything stored before the 
 tokens themselves in full precision (causally); the flush into low-bit pages happens after. This
 is what a serving prefill does, and with 16-token chunks it is the WUSH-KV perplexity protocol.
 
+Sliding-window layers (Gemma 3's local layers, `ModelConfig.layer_windows`): a query at position
+t reads only keys at positions > t - window. Every layer shares one page plan, so a sliding layer
+stores the same segments as a global one; its policy (`CacheConfig.sliding_layers`, resolved per
+layer by `CacheConfig.layer_policies`) decides whether its middle segment is low-bit or kept in
+full precision (the default). Stored positions follow from the plan alone: fp slot i of the
+gathered fp pages holds position i (sink) or i + low_len (recent), low-bit slot j holds
+sink + j. The Pallas decode kernels take no window yet, so sliding layers always decode through
+the reference path (a correct but slower gather of the whole page table).
+
 Page layout and bit packing come from `pallas_kernels.layout`; nothing here does bit arithmetic.
 """
 
@@ -44,6 +53,23 @@ from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
 from pallas_kernels import layout as lay
 
+SLIDING_LAYER_POLICIES: tuple[str, ...] = ("full_precision", "quantized")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPolicy:
+    """How one layer's keys and values are kept: its attention window and middle-segment
+    quantizers (None: that segment holds full-precision tokens in the transformed frame).
+
+    Attributes:
+      window: sliding-window length in tokens, or None for full causal attention.
+      quant, quant_v: key and value quantizers of the middle segment.
+    """
+
+    window: int | None
+    quant: QuantConfig | None
+    quant_v: QuantConfig | None
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -61,6 +87,13 @@ class CacheConfig:
       num_lowbit_pages, num_fp_pages: pool sizes (pages per layer); None sizes the pools so every
         batch slot can reach max_seq_len.
       attention: 'reference' (pure jnp) or 'pallas' (decode kernels; single-token steps).
+        Sliding-window layers decode through the reference path either way (the kernels take
+        no window mask).
+      sliding_layers: policy of sliding-window layers (Gemma 3's local layers).
+        'full_precision' (default): their middle segment is stored unquantized, so every key
+        such a layer can see is exact; their pools are sized like the others' (a window-sized
+        ring buffer would need a plan of its own). 'quantized': they follow `quant` /
+        `quant_v` like global layers.
     """
 
     sink: int = 64
@@ -74,6 +107,7 @@ class CacheConfig:
     num_lowbit_pages: int | None = None
     num_fp_pages: int | None = None
     attention: Literal["reference", "pallas"] = "reference"
+    sliding_layers: Literal["full_precision", "quantized"] = "full_precision"
 
     def __post_init__(self):
         p = self.page_size
@@ -92,6 +126,20 @@ class CacheConfig:
             raise ValueError(f"attention={self.attention!r}; use 'reference' or 'pallas'")
         if self.quant is None and self.quant_v is not None:
             raise ValueError("quant_v given without quant")
+        if self.sliding_layers not in SLIDING_LAYER_POLICIES:
+            raise ValueError(
+                f"sliding_layers={self.sliding_layers!r}; use one of {SLIDING_LAYER_POLICIES}"
+            )
+
+    def layer_policies(self, model_cfg: ModelConfig) -> tuple[LayerPolicy, ...]:
+        """Each layer's window and quantizers: the one place the per-layer policy is decided."""
+        out = []
+        for window in model_cfg.layer_windows:
+            if window is not None and self.sliding_layers == "full_precision":
+                out.append(LayerPolicy(window, None, None))
+            else:
+                out.append(LayerPolicy(window, self.quant, self.value_quant))
+        return tuple(out)
 
     @property
     def all_full_precision(self) -> bool:
@@ -159,6 +207,8 @@ class PagedKVCache:
     sm_scale: float = flax.struct.field(pytree_node=False)
     # A mesh with a "model" axis: the decode kernels then run per device on its KV heads.
     mesh: Any = flax.struct.field(pytree_node=False, default=None)
+    # Per layer window and quantizers (`CacheConfig.layer_policies`); () : cfg's, no windows.
+    layers: tuple[LayerPolicy, ...] = flax.struct.field(pytree_node=False, default=())
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -173,17 +223,23 @@ class PagedKVCache:
         transforms.check_matches(model_cfg)
         n_fp = cache_cfg.num_fp_pages or batch_size * cache_cfg.fp_pages_per_seq()
         n_q = cache_cfg.num_lowbit_pages or max(1, batch_size * cache_cfg.lowbit_pages_per_seq())
-        pools = tuple(
-            _make_pools(model_cfg, cache_cfg, n_fp, n_q) for _ in range(model_cfg.num_layers)
-        )
+        layers = cache_cfg.layer_policies(model_cfg)
+        pools = tuple(_make_pools(model_cfg, cache_cfg, pol, n_fp, n_q) for pol in layers)
         return cls(
             pools=pools,
             transforms=transforms,
             lengths=jnp.zeros((batch_size,), jnp.int32),
             plan=None,
             cfg=cache_cfg,
-            sm_scale=model_cfg.head_dim**-0.5,
+            sm_scale=model_cfg.attention_scale,
+            layers=layers,
         )
+
+    def policy(self, layer: int) -> LayerPolicy:
+        """Window and quantizers of `layer`."""
+        if self.layers:
+            return self.layers[layer]
+        return LayerPolicy(None, self.cfg.quant, self.cfg.value_quant)
 
     @property
     def num_fp_pages(self) -> int:
@@ -210,6 +266,7 @@ class PagedKVCache:
         if self.plan is None:
             raise ValueError("PagedKVCache.attend without a plan: call PageManager.prepare first")
         plan, tf, cfg = self.plan, self.transforms, self.cfg
+        pol = self.policy(layer)
         pools = self.pools[layer]
         b, t, _, d = q.shape
         if plan.new_fp_dst.shape != (b, t):
@@ -234,7 +291,7 @@ class PagedKVCache:
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
         def store():
-            if cfg.attention == "pallas" and cfg.quant is not None:
+            if cfg.attention == "pallas" and pol.quant is not None:
                 # The fused quantize+pack kernel: flushed tokens are already in the stored
                 # frame (identity transform); new tokens going straight to low bits are
                 # transformed by the kernel itself.
@@ -244,18 +301,18 @@ class PagedKVCache:
                 if t > 1:
                     sets.append((plan.new_low_dst, k, v, tf.a_k[layer], tf.a_v[layer]))
                 for dst, xk, xv, ak, av in sets:
-                    k_low = _store_low_kernel(k_low, dst, xk, ak, cfg.quant, tf.clip_k[layer])
-                    v_low = _store_low_kernel(v_low, dst, xv, av, cfg.value_quant, tf.clip_v[layer])
+                    k_low = _store_low_kernel(k_low, dst, xk, ak, pol.quant, tf.clip_k[layer])
+                    v_low = _store_low_kernel(v_low, dst, xv, av, pol.quant_v, tf.clip_v[layer])
                 return k_low, v_low
             dst = jnp.concatenate([plan.flush_dst, plan.new_low_dst], axis=1)
             k_low = _store_low(
-                pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1), cfg.quant, tf.clip_k[layer]
+                pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1), pol.quant, tf.clip_k[layer]
             )
             v_low = _store_low(
                 pools.v_low,
                 dst,
                 jnp.concatenate([fv, v_t], axis=1),
-                cfg.value_quant,
+                pol.quant_v,
                 tf.clip_v[layer],
             )
             return k_low, v_low
@@ -281,11 +338,12 @@ class PagedKVCache:
                 lambda x: jax.lax.with_sharding_constraint(x, by_head), new_pools
             )
 
-        if cfg.attention == "pallas" and t == 1:
+        if cfg.attention == "pallas" and t == 1 and pol.window is None:
             # the kernel moves q into the key frame and applies B_V itself
             o = self._pallas_decode(layer, q, new_pools)
         else:
-            o_t = self._reference_attend(new_pools, q_t, k_t, v_t, positions)  # value frame
+            # Sliding-window layers always come here: the kernels take no window mask.
+            o_t = self._reference_attend(new_pools, q_t, k_t, v_t, positions, pol)  # value frame
             o = tf.outputs_from_value_frame(layer, o_t)
 
         pools_all = self.pools[:layer] + (new_pools,) + self.pools[layer + 1 :]
@@ -295,14 +353,14 @@ class PagedKVCache:
         return self.replace(lengths=self.lengths + num_tokens)
 
     # ---- attention paths ----------------------------------------------------------------
-    def _reference_attend(self, pools, q_t, k_t, v_t, positions) -> jax.Array:
+    def _reference_attend(self, pools, q_t, k_t, v_t, positions, pol: LayerPolicy) -> jax.Array:
         """Dequantize stored tokens and attend: [stored fp | stored low-bit | new (causal)]."""
         plan = self.plan
         b, t = positions.shape
         kf = _gather_pages(pools.k_fp, plan.fp_table)  # [B, M_fp*P, K, d]
         vf = _gather_pages(pools.v_fp, plan.fp_table)
-        kq = _read_low(pools.k_low, plan.low_table, self.cfg.quant, k_t.shape[-1])
-        vq = _read_low(pools.v_low, plan.low_table, self.cfg.value_quant, k_t.shape[-1])
+        kq = _read_low(pools.k_low, plan.low_table, pol.quant, k_t.shape[-1])
+        vq = _read_low(pools.v_low, plan.low_table, pol.quant_v, k_t.shape[-1])
         n_fp, n_q = kf.shape[1], kq.shape[1]
         fp_valid = jnp.arange(n_fp)[None, :] < plan.fp_len[:, None]
         q_valid = jnp.arange(n_q)[None, :] < plan.low_len[:, None]
@@ -315,6 +373,15 @@ class PagedKVCache:
             ],
             axis=-1,
         )
+        if pol.window is not None:
+            # Positions of the stored slots, from the plan: fp slot i is sink position i or
+            # recent position i + low_len (recent pages start at quant_end = sink + low_len);
+            # low-bit slot j is position sink + j. New tokens carry their own positions.
+            i_fp = jnp.arange(n_fp, dtype=jnp.int32)[None, :]
+            fp_pos = i_fp + jnp.where(i_fp >= self.cfg.sink, plan.low_len[:, None], 0)
+            low_pos = jnp.broadcast_to(self.cfg.sink + jnp.arange(n_q, dtype=jnp.int32), (b, n_q))
+            kv_pos = jnp.concatenate([fp_pos, low_pos, positions], axis=1)  # [B, S]
+            mask &= positions[:, :, None] - kv_pos[:, None, :] < pol.window
         keys = jnp.concatenate([kf.astype(jnp.float32), kq, k_t], axis=1)
         vals = jnp.concatenate([vf.astype(jnp.float32), vq, v_t], axis=1)
         return grouped_attention(q_t, keys, vals, mask, sm_scale=self.sm_scale)
@@ -415,7 +482,9 @@ class PagedKVCache:
         return tf.outputs_from_value_frame(layer, o_t[:, None].astype(jnp.float32))
 
 
-def _make_pools(mcfg: ModelConfig, ccfg: CacheConfig, n_fp: int, n_q: int) -> LayerPools:
+def _make_pools(
+    mcfg: ModelConfig, ccfg: CacheConfig, pol: LayerPolicy, n_fp: int, n_q: int
+) -> LayerPools:
     d, hkv, p = mcfg.head_dim, mcfg.num_kv_heads, ccfg.page_size
     fp_dtype = jnp.dtype(ccfg.fp_dtype)
 
@@ -439,7 +508,7 @@ def _make_pools(mcfg: ModelConfig, ccfg: CacheConfig, n_fp: int, n_q: int) -> La
 
     fp = jnp.full((n_fp, hkv, p, d), jnp.nan, fp_dtype)
     return LayerPools(
-        k_fp=fp, v_fp=jnp.full_like(fp, jnp.nan), k_low=low(ccfg.quant), v_low=low(ccfg.value_quant)
+        k_fp=fp, v_fp=jnp.full_like(fp, jnp.nan), k_low=low(pol.quant), v_low=low(pol.quant_v)
     )
 
 

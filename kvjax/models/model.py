@@ -1,10 +1,13 @@
-"""Flax NNX port of the Llama / Qwen2 / Qwen3 / GLM-4 / GLM-4-MoE / Qwen3-MoE decoder stack.
+"""Flax NNX port of the Llama / Qwen2 / Qwen3 / GLM-4 / GLM-4-MoE / Qwen3-MoE / Gemma 3 decoders.
 
 One module covers the family; the differences are options of `ModelConfig`: q/k RMSNorm per head
-(Qwen3, optional in GLM-4-MoE), q/k/v bias (Qwen2, GLM), partial and interleaved RoPE (GLM),
-GLM-4's extra norms on the attention and MLP outputs, and mixture-of-experts MLPs (`cfg.moe`,
-math in `kvjax.models.moe`) in the sparse layers. The attention layer is the seam the rest of kvjax
-plugs into:
+(Qwen3, Gemma 3, optional in GLM-4-MoE), q/k/v bias (Qwen2, GLM), partial and interleaved RoPE
+(GLM), extra norms on the attention and MLP outputs (GLM-4, Gemma 3), mixture-of-experts MLPs
+(`cfg.moe`, math in `kvjax.models.moe`) in the sparse layers, and Gemma 3's pieces: (1 + w)
+RMSNorms, GeGLU MLPs, embeddings scaled by sqrt(hidden), softmax scale
+query_pre_attn_scalar ** -0.5, and sliding-window layers with their own RoPE base
+(`cfg.layer_types`; every cache masks keys older than the window). The attention layer is the
+seam the rest of kvjax plugs into:
 
 - it takes a cache object (`kvjax.cache.dense.KVCache` protocol) and positions, and returns the
   updated cache; with no cache it runs plain causal attention over the chunk;
@@ -43,14 +46,21 @@ class MissingWeightsError(ValueError):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """x / rms(x) * (offset + w), in float32. offset is 1 for Gemma (weights stored as w - 1)."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int, dtype: jnp.dtype) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype, 1.0 if cfg.norm_style == "gemma" else 0.0)
 
 
 def rope_cos_sin(
@@ -101,12 +111,13 @@ class Attention(nnx.Module):
         self.v_proj = nnx.Linear(cfg.hidden_size, hkv * d, use_bias=cfg.attention_bias, **lin)
         self.o_proj = nnx.Linear(hq * d, cfg.hidden_size, use_bias=cfg.o_proj_bias, **lin)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.q_norm = _norm(cfg, d, dtype)
+            self.k_norm = _norm(cfg, d, dtype)
         else:
             self.q_norm = self.k_norm = None
         self.cfg = cfg
         self.layer_idx = layer_idx
+        self.window = cfg.layer_window(layer_idx)  # None: full causal attention
         self.observer: Observer | None = None
 
     def __call__(
@@ -127,9 +138,8 @@ class Attention(nnx.Module):
         k = apply_rope(k, *rope, interleaved=cfg.rope_interleaved)
         if cache is None:
             valid = jnp.ones((b, t), bool)
-            o = grouped_attention(
-                q, k, v, causal_mask(positions, positions, valid), sm_scale=cfg.head_dim**-0.5
-            )
+            mask = causal_mask(positions, positions, valid, self.window)
+            o = grouped_attention(q, k, v, mask, sm_scale=cfg.attention_scale)
         else:
             o, cache = cache.attend(self.layer_idx, q, k, v, positions)
         if self.observer is not None:
@@ -148,7 +158,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); act is SiLU (SwiGLU) or tanh-GELU (GeGLU, Gemma)."""
 
     def __init__(
         self,
@@ -162,9 +172,15 @@ class MLP(nnx.Module):
         self.gate_proj = nnx.Linear(cfg.hidden_size, width, **lin)
         self.up_proj = nnx.Linear(cfg.hidden_size, width, **lin)
         self.down_proj = nnx.Linear(width, cfg.hidden_size, **lin)
+        self.hidden_act = cfg.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = self.gate_proj(x)
+        if self.hidden_act == "gelu_pytorch_tanh":
+            g = jax.nn.gelu(g, approximate=True)
+        else:
+            g = jax.nn.silu(g)
+        return self.down_proj(g * self.up_proj(x))
 
 
 class Router(nnx.Module):
@@ -234,16 +250,16 @@ class SparseMoE(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         self.self_attn = Attention(cfg, layer_idx, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         if cfg.is_sparse_layer(layer_idx):
             self.mlp = SparseMoE(cfg, dtype, rngs)
         else:
             self.mlp = MLP(cfg, dtype, rngs)
         if cfg.sandwich_norms:
-            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_self_attn_layernorm = _norm(cfg, cfg.hidden_size, dtype)
+            self.post_mlp_layernorm = _norm(cfg, cfg.hidden_size, dtype)
         else:
             self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
@@ -268,7 +284,7 @@ class Transformer(nnx.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = _norm(cfg, cfg.hidden_size, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -292,12 +308,16 @@ class Transformer(nnx.Module):
         if positions is None:
             start = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
             positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        rope = rope_cos_sin(
-            positions, self.cfg.rotary_dim, self.cfg.rope_theta, self.cfg.rope_interleaved
-        )
+        cfg = self.cfg
+        ropes = {
+            theta: rope_cos_sin(positions, cfg.rotary_dim, theta, cfg.rope_interleaved)
+            for theta in sorted({cfg.layer_rope_theta(i) for i in range(cfg.num_layers)})
+        }
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x, cache = layer(x, positions, rope, cache)
+        if cfg.scale_embeddings:  # Gemma: the scale is rounded to the weights' dtype, as in HF
+            x = x * jnp.asarray(cfg.hidden_size**0.5, self.dtype).astype(x.dtype)
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, positions, ropes[cfg.layer_rope_theta(i)], cache)
         if logits_at is not None:  # serving: a [B, T, V] logits tensor is the largest one
             x = x[jnp.arange(b), logits_at][:, None]
         x = self.norm(x)
@@ -305,9 +325,13 @@ class Transformer(nnx.Module):
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
+        logits = logits.astype(jnp.float32)
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
         if cache is not None:
             cache = cache.advance(t)
-        return logits.astype(jnp.float32), cache
+        return logits, cache
 
     # ----- observer seam -----
     def set_observer(self, observer: Observer | None) -> None:
@@ -365,7 +389,7 @@ class Transformer(nnx.Module):
         flat = dict(nnx.to_flat_state(state))
         new_flat = {}
         for path, var in flat.items():
-            name, transpose = _hf_name(path)
+            name, transpose = _hf_name(path, cfg)
             arr = np.asarray(canon[name])
             if transpose:
                 arr = np.swapaxes(arr, -1, -2)
@@ -398,9 +422,10 @@ def _weight_requirements(cfg: ModelConfig) -> list[tuple[str, list[str]]]:
         plain("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        plain(p + "input_layernorm.weight", p + "post_attention_layernorm.weight")
+        norms = ["input_layernorm", "post_attention_layernorm"]
         if cfg.sandwich_norms:
-            plain(p + "post_self_attn_layernorm.weight", p + "post_mlp_layernorm.weight")
+            norms += ["post_self_attn_layernorm", "post_mlp_layernorm"]
+        plain(*(p + _norm_hf_name(cfg, n) + ".weight" for n in norms))
         plain(
             *(p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj", "o_proj"))
         )
@@ -468,9 +493,24 @@ def _canonical_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray]) -> d
     return out
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
+# Gemma names the four per-layer norms by position: kvjax's (GLM-4's) names -> Gemma's.
+_GEMMA_NORM_NAMES = {
+    "post_self_attn_layernorm": "post_attention_layernorm",  # on the attention output
+    "post_attention_layernorm": "pre_feedforward_layernorm",  # before the MLP
+    "post_mlp_layernorm": "post_feedforward_layernorm",  # on the MLP output
+}
+
+
+def _norm_hf_name(cfg: ModelConfig, name: str) -> str:
+    """HF name of the per-layer norm kvjax calls `name`."""
+    return _GEMMA_NORM_NAMES.get(name, name) if cfg.norm_style == "gemma" else name
+
+
+def _hf_name(path: tuple, cfg: ModelConfig) -> tuple[str, bool]:
     """Maps an NNX state path to (HF tensor name, needs its last two axes swapped)."""
     parts = [str(p) for p in path]
+    if parts[0] == "layers" and len(parts) == 4 and parts[2].endswith("layernorm"):
+        parts[2] = _norm_hf_name(cfg, parts[2])
     leaf = parts[-1]
     if parts[0] == "embed_tokens":
         return "model.embed_tokens.weight", False

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.cache.allocator import PageManager
 from kvjax.cache.dense import DenseKVCache
+from kvjax.cache.paged import CacheConfig, PagedKVCache
+from kvjax.cache.transforms import KVTransforms
 from kvjax.models.hf_loader import load_hf_checkpoint
 from kvjax.models.model import Transformer
 
@@ -60,6 +63,25 @@ class Parity:
         outs = [np.asarray(out)]
         for t in range(prefill, length):
             out, cache = step(jnp.asarray(tokens[:, t : t + 1], jnp.int32), cache)
+            outs.append(np.asarray(out))
+        np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=self.tol(ref), rtol=0)
+        assert np.asarray(cache.lengths).tolist() == [length, length]
+
+    def check_paged_decode(
+        self, hf, model, cfg, cache_cfg: CacheConfig, length: int = 12, prefill: int = 5
+    ) -> None:
+        """As `check_decode`, through the paged cache (identity transforms; with
+        `cache_cfg.quant=None` every segment is exact, so the logits must match HF)."""
+        tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, length))
+        ref = self.hf_logits(hf, tokens)
+        cache = PagedKVCache.create(cfg, cache_cfg, KVTransforms.identity(cfg), batch_size=2)
+        mgr = PageManager(cache)
+        step = jax.jit(lambda tok, c: model(tok, c))
+        outs = []
+        bounds = [(0, prefill)] + [(t, t + 1) for t in range(prefill, length)]
+        for i, j in bounds:
+            cache = mgr.prepare(cache, j - i)
+            out, cache = step(jnp.asarray(tokens[:, i:j], jnp.int32), cache)
             outs.append(np.asarray(out))
         np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=self.tol(ref), rtol=0)
         assert np.asarray(cache.lengths).tolist() == [length, length]
