@@ -1,20 +1,32 @@
-"""Load a Llama-architecture GGUF file as a HuggingFace-layout float32 state dict.
+"""Load a Llama or Gemma 3 GGUF file as a HuggingFace-layout float32 state dict.
 
-The model ports consume weights named and laid out exactly as a HuggingFace Llama checkpoint
+The model ports consume weights named and laid out exactly as a HuggingFace checkpoint
 (`model.layers.{i}.self_attn.q_proj.weight` is [out, in], like `torch.nn.Linear`). A GGUF file
-differs in three ways, each undone here:
+differs in up to four ways, each undone here:
 
-1. names: llama.cpp's `blk.{i}.attn_q.weight` etc. (see `_LAYER_TENSORS`);
-2. storage: quantized blocks (Q4_1, Q8_0, ...) are dequantized with `gguf.quants.dequantize`,
-   and GGUF lists dimensions fastest-first, the reverse of numpy (a [out, in] matrix is
-   recorded as (in, out)), which `dequantize` already turns into numpy order;
-3. RoPE layout: llama.cpp's converter permutes the rows of attn_q/attn_k within each head so
-   that its interleaved-pair RoPE matches HF's rotate-half RoPE. `unpermute_qk` inverts that,
-   so the standard rotate-half RoPE applies to the loaded weights.
+1. names: llama.cpp's `blk.{i}.attn_q.weight` etc. (see `_LAYER_TENSORS`, `_GEMMA3_TENSORS`);
+2. storage: quantized blocks (Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, ...) are dequantized with
+   `gguf.quants.dequantize`, and GGUF lists dimensions fastest-first, the reverse of numpy (a
+   [out, in] matrix is recorded as (in, out)), which `dequantize` already turns into numpy order;
+3. RoPE layout (llama only): llama.cpp's converter permutes the rows of attn_q/attn_k within each
+   head so that its interleaved-pair RoPE matches HF's rotate-half RoPE. `unpermute_qk` inverts
+   that. Gemma GGUFs keep HF's row order (llama.cpp runs NEOX-style RoPE for Gemma), so their
+   rows are left alone;
+4. norms (Gemma only): HF's Gemma RMSNorm scales by (1 + w); llama.cpp's converter stores
+   1 + w, so the loader subtracts 1 from every `*norm.weight` to give back HF's w.
+
+Gemma 3 facts the GGUF metadata does not carry are taken from llama.cpp / transformers'
+Gemma 3 defaults: every 6th layer global, the rest sliding over
+`{arch}.attention.sliding_window` tokens (a `{arch}.attention.sliding_window_pattern` key,
+where present, decides instead); local RoPE base 1e4; query_pre_attn_scalar = head_dim
+(hidden / heads for the 62-layer 27B, as llama.cpp does). The real-model tests
+(`tests/kvjax/models/test_real_gemma3.py`) check them against transformers on the real file;
+norm offset and row order were confirmed by perplexity (rows permuted the llama way: ~3500,
+norms without the -1: ~1e8, as loaded: ~23 on 1024 tokens of the evaluation plays).
 
 Example:
     >>> from kvjax import assets
-from kvjax.models import gguf_loader
+    >>> from kvjax.models import gguf_loader
     >>> cfg, weights, tok = gguf_loader.load_gguf(assets.default_model_path())
     >>> weights["model.layers.0.self_attn.q_proj.weight"].shape   # [Hq * hd, D]
     (576, 576)
@@ -34,7 +46,7 @@ from gguf.quants import dequantize
 from kvjax.config import ModelConfig, UnsupportedModelError
 from kvjax.models.tokenizer import Tokenizer
 
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama", "gemma3")
 
 # GGUF per-block tensor suffix -> HF suffix under `model.layers.{i}.`.
 _LAYER_TENSORS: dict[str, str] = {
@@ -59,6 +71,25 @@ _GLOBAL_TENSORS: dict[str, str] = {
     "output_norm.weight": "model.norm.weight",
 }
 _LM_HEAD = ("output.weight", "lm_head.weight")  # absent when embeddings are tied
+
+# Gemma 3: q/k norms and four norms per layer, under Gemma's HF names.
+_GEMMA3_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA3_SWA_PATTERN = 6  # llama.cpp's `set_swa_pattern(6)`; transformers' sliding_window_pattern
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa; transformers' default
 
 # Metadata keys a Llama GGUF must carry (after the `{arch}.` prefix).
 _REQUIRED_KEYS = (
@@ -144,7 +175,7 @@ def config_from_gguf_metadata(
             are detected from which tensors exist, as llama.cpp does.
 
     Raises:
-        UnsupportedModelError: not a plain dense Llama (MoE, scaled RoPE, ...).
+        UnsupportedModelError: not a plain dense Llama or Gemma 3 (MoE, scaled RoPE, ...).
         ValueError: required metadata is missing.
     """
     arch = check_architecture(meta)
@@ -185,12 +216,50 @@ def config_from_gguf_metadata(
     ]
     eos = list(dict.fromkeys(eos))
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    num_layers = int(get("block_count"))
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        if get("final_logit_softcapping") is not None or get("attn_logit_softcapping"):
+            raise UnsupportedModelError(
+                f"{arch}.attn_logit_softcapping={get('attn_logit_softcapping')!r} / "
+                f"final_logit_softcapping={get('final_logit_softcapping')!r}: soft-capped "
+                "Gemma GGUFs are not supported"
+            )
+        window = get("attention.sliding_window")
+        if window is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.attention.sliding_window")
+        scalar = hidden / num_heads if num_layers == 62 else head_dim  # llama.cpp: 27B differs
+        pattern = get("attention.sliding_window_pattern", _GEMMA3_SWA_PATTERN)
+        if isinstance(pattern, list):  # newer converters: one flag per layer, True = sliding
+            if len(pattern) != num_layers:
+                raise ValueError(
+                    f"{arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
+                    f"{num_layers} layers"
+                )
+            sliding = [bool(x) for x in pattern]
+        elif int(pattern) >= 1:
+            sliding = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
+        else:
+            raise UnsupportedModelError(
+                f"{arch}.attention.sliding_window_pattern={pattern!r} must be >= 1"
+            )
+        gemma = dict(
+            sandwich_norms=True,
+            qk_norm=True,
+            hidden_act="gelu_pytorch_tanh",
+            norm_style="gemma",
+            scale_embeddings=True,
+            query_pre_attn_scalar=float(scalar),
+            layer_types=tuple("sliding_attention" if x else "full_attention" for x in sliding),
+            sliding_window=int(window),
+            rope_local_theta=_GEMMA3_LOCAL_ROPE_BASE,
+        )
     return ModelConfig(
-        model_type="llama",
+        model_type="gemma3_text" if arch == "gemma3" else "llama",
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -202,6 +271,7 @@ def config_from_gguf_metadata(
         partial_rotary_factor=rot / head_dim,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=(eos[0] if len(eos) == 1 else tuple(eos)) if eos else None,
+        **gemma,
     )
 
 
@@ -250,6 +320,10 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (f, d),
         "mlp.up_proj.weight": (f, d),
         "mlp.down_proj.weight": (d, f),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "pre_feedforward_layernorm.weight": (d,),
+        "post_feedforward_layernorm.weight": (d,),
     }
     shapes = {
         "model.embed_tokens.weight": (cfg.vocab_size, d),
@@ -266,7 +340,8 @@ def gguf_to_hf_names(cfg: ModelConfig) -> dict[str, str]:
     names = dict(_GLOBAL_TENSORS)
     if not cfg.tie_word_embeddings:
         names[_LM_HEAD[0]] = _LM_HEAD[1]
-    layer_map = _LAYER_TENSORS | (_LAYER_BIAS_TENSORS if cfg.attention_bias else {})
+    layer_map = _GEMMA3_TENSORS if cfg.norm_style == "gemma" else _LAYER_TENSORS
+    layer_map = layer_map | (_LAYER_BIAS_TENSORS if cfg.attention_bias else {})
     for i in range(cfg.num_layers):
         names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in layer_map.items()})
     return names
@@ -290,7 +365,7 @@ def _dequantize(t: gguf.ReaderTensor) -> np.ndarray:
 def load_gguf(
     path: str | os.PathLike[str],
 ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
-    """Loads a Llama GGUF as (config, HF-layout float32 weights, tokenizer).
+    """Loads a Llama or Gemma 3 GGUF as (config, HF-layout float32 weights, tokenizer).
 
     Args:
         path: the `.gguf` file.
@@ -299,11 +374,12 @@ def load_gguf(
         `(cfg, weights, tokenizer)`. `weights` maps HF names (`model.embed_tokens.weight`
         f32[V, D], `model.layers.{i}.self_attn.q_proj.weight` f32[Hq*hd, D], ...) to float32
         arrays; `lm_head.weight` is absent when `cfg.tie_word_embeddings`. q/k rows are in HF
-        (rotate-half RoPE) order.
+        (rotate-half RoPE) order; Gemma norm weights are HF's w (scale 1 + w).
 
     Raises:
-        UnsupportedModelError: `general.architecture` is not llama, or the file uses an option
-            this port cannot honour (MoE, scaled RoPE, unknown tensors, unknown quant type).
+        UnsupportedModelError: `general.architecture` is not llama or gemma3, or the file uses
+            an option this port cannot honour (MoE, scaled RoPE, unknown tensors, unknown quant
+            type).
         ValueError: the file is unreadable or lacks tensors or metadata.
     """
     reader = _open_reader(path)
@@ -322,8 +398,8 @@ def load_gguf(
     extra = sorted(set(tensors) - set(names))
     if extra:
         raise UnsupportedModelError(
-            f"{path} holds tensors this Llama port does not use, so it would run a different "
-            f"model: {', '.join(extra[:20])}"
+            f"{path} holds tensors this {cfg.model_type} port does not use, so it would run a "
+            f"different model: {', '.join(extra[:20])}"
         )
 
     shapes = _expected_shapes(cfg)
@@ -334,7 +410,10 @@ def load_gguf(
             raise ValueError(
                 f"tensor {gname!r} has shape {x.shape}, expected {shapes[hname]} for {hname}"
             )
-        if gname.endswith(("attn_q.weight", "attn_q.bias")):
+        if cfg.norm_style == "gemma":
+            if gname.endswith("norm.weight"):
+                x -= 1.0  # llama.cpp stored 1 + w; HF's Gemma RMSNorm adds the 1 itself
+        elif gname.endswith(("attn_q.weight", "attn_q.bias")):
             x = unpermute_qk(x, cfg.num_heads)
         elif gname.endswith(("attn_k.weight", "attn_k.bias")):
             x = unpermute_qk(x, cfg.num_kv_heads)

@@ -2,6 +2,11 @@
 
 No network: the directory must already hold the files. Tensors are read with a small
 safetensors parser over a memory map so bf16/f16/f32 checkpoints all load without torch.
+
+A multimodal Gemma 3 checkpoint (`model_type: gemma3`) loads as its text decoder: the config is
+its `text_config`, the decoder's tensors lose their `language_model` prefix (both the published
+`language_model.model.*` and transformers 5's `model.language_model.*` spellings) and the vision
+tower is left out.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str,
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path} has no config.json; expected a HuggingFace checkpoint dir")
-    cfg = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    raw_cfg = json.loads(cfg_file.read_text())
+    cfg = ModelConfig.from_hf_dict(raw_cfg)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -87,4 +93,26 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str,
         if not f.is_file():
             raise CheckpointError(f"shard {shard} listed in {index.name} is missing from {path}")
         weights.update(read_safetensors(f))
+    if raw_cfg.get("model_type") == "gemma3":
+        weights = _gemma3_text_weights(weights)
     return cfg, weights
+
+
+# Prefixes of a multimodal Gemma 3 checkpoint's text decoder -> the text-only model's names.
+_GEMMA3_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def _gemma3_text_weights(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The decoder's tensors of a `Gemma3ForConditionalGeneration` checkpoint, renamed."""
+    out = {}
+    for name, x in weights.items():
+        for old, new in _GEMMA3_TEXT_PREFIXES:
+            if name.startswith(old):
+                out[new + name[len(old) :]] = x
+                break
+    return out

@@ -3,15 +3,19 @@
 Two sources, one class:
 
 - a GGUF file's metadata (`tokenizer.ggml.*`): the vocabulary, BPE merges and token types are
-  turned into a `tokenizers.Tokenizer` here. Only byte-level BPE (`tokenizer.ggml.model ==
-  "gpt2"`, the GPT-2 / SmolLM2 / Llama-3 family of vocabularies) is supported; the
-  pre-tokenizer follows llama.cpp's reading of `tokenizer.ggml.pre`.
+  turned into a `tokenizers.Tokenizer` here. Two kinds are supported: byte-level BPE
+  (`tokenizer.ggml.model == "gpt2"`, the GPT-2 / SmolLM2 / Llama-3 family of vocabularies; the
+  pre-tokenizer follows llama.cpp's reading of `tokenizer.ggml.pre`), and SentencePiece BPE
+  (`"llama"`, e.g. Gemma 3: spaces become "▁", pieces merge best-score first, unknown
+  characters fall back to `<0xXX>` byte tokens).
 - a local HuggingFace directory (`tokenizer.json` + `tokenizer_config.json`), read with no
   network access.
 
-`encode` never adds special tokens on its own (HF post-processors that prepend BOS are
-bypassed); `add_bos=True` asks for the BOS token explicitly, so a caller always knows what
-the model sees.
+`encode` adds no special token except a BOS that the model's tokenizer metadata asks for
+(`tokenizer.ggml.add_bos_token`, or `add_bos_token` in `tokenizer_config.json`: Gemma sets it,
+SmolLM2 and Qwen do not), which is what transformers' tokenizer of the same model does;
+HF post-processors are bypassed, and `add_bos=True` / `False` overrides the default, so a
+caller always knows what the model sees.
 
 Example:
     >>> from kvjax.models.tokenizer import Tokenizer
@@ -31,12 +35,13 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from kvjax.config import UnsupportedModelError
 
 # llama.cpp token types (gguf.TokenType): which vocabulary entries are matched verbatim in text
 # instead of going through BPE.
+_TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -70,6 +75,7 @@ class Tokenizer:
         bos_id: beginning-of-sequence id, or None when the vocabulary has none.
         eos_ids: ids that end generation (EOS first, then e.g. end-of-turn), possibly empty.
         chat_template: the Jinja chat template shipped with the model, or None.
+        add_bos_default: `encode` prepends `bos_id` unless told otherwise (Gemma).
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class Tokenizer:
         bos_id: int | None = None,
         eos_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        add_bos_default: bool = False,
     ):
         self.backend = backend
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -88,6 +95,9 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_ids = tuple(dict.fromkeys(int(e) for e in eos_ids))  # dedupe, keep order
         self.chat_template = chat_template
+        if add_bos_default and bos_id is None:
+            raise ValueError("add_bos_default=True but this tokenizer has no BOS token")
+        self.add_bos_default = bool(add_bos_default)
 
     @property
     def vocab_size(self) -> int:
@@ -96,17 +106,18 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"
+            f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids}"
+            f", add_bos_default={self.add_bos_default})"
         )
 
     # --- use ----------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token strings in the text map to their ids.
 
         Args:
             text: the string to tokenize.
-            add_bos: prepend `bos_id`.
+            add_bos: prepend `bos_id`; None: `add_bos_default` (what the model's metadata says).
 
         Raises:
             ValueError: `text` is not a str, or `add_bos` with no BOS token.
@@ -114,18 +125,22 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_bos is None:
+            add_bos = self.add_bos_default
         if add_bos:
             if self.bos_id is None:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token")
             ids = [self.bos_id, *ids]
         return ids
 
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None) -> list[list[int]]:
         """`encode` over many strings, parallelised by the Rust backend."""
         bad = [type(t).__name__ for t in texts if not isinstance(t, str)]
         if bad:
             raise ValueError(f"texts must all be str, got {bad}")
         out = [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        if add_bos is None:
+            add_bos = self.add_bos_default
         if add_bos:
             if self.bos_id is None:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token")
@@ -171,10 +186,13 @@ class Tokenizer:
             ValueError: required `tokenizer.ggml.*` keys are missing or inconsistent.
         """
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"tokenizer.ggml.model={model!r} is not supported; only byte-level BPE ('gpt2')"
+                f"tokenizer.ggml.model={model!r} is not supported; supported: 'gpt2' (byte-level "
+                "BPE), 'llama' (SentencePiece BPE)"
             )
+        if model == "llama":
+            return cls._from_sentencepiece_metadata(meta)
         missing = [k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") if k not in meta]
         if missing:
             raise ValueError(f"GGUF metadata lacks {missing}")
@@ -213,20 +231,90 @@ class Tokenizer:
             ]
         )
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        eos = [
-            meta[k]
-            for k in (
-                "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id",
-            )
-            if meta.get(k) is not None
-        ]
         return cls(
             backend,
             bos_id=None if bos is None else int(bos),
-            eos_ids=eos,
+            eos_ids=_gguf_eos_ids(meta),
             chat_template=meta.get("tokenizer.chat_template"),
+            add_bos_default=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def _from_sentencepiece_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """SentencePiece BPE (`tokenizer.ggml.model == "llama"`) as a `tokenizers` BPE.
+
+        SentencePiece merges, anywhere in the text, the adjacent pair whose union is the
+        best-ranked piece. That is BPE with one merge per way of cutting each piece in two,
+        ranked by the piece: here by its vocabulary index, which for Gemma follows the score
+        order of normal pieces and puts its whitespace-run pieces first (transformers ranks them
+        the same way). Runs of spaces are stored as real spaces but text is matched after
+        " " -> "▁", so they are respelled. Control tokens become special tokens, other
+        user-defined ones (e.g. "\n\n", HTML tags) are matched whole; `<0xXX>` pieces catch
+        bytes no piece covers. llama.cpp adds a leading space only when
+        `tokenizer.ggml.add_space_prefix` says so (Gemma: no).
+        """
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ValueError("GGUF metadata lacks ['tokenizer.ggml.tokens']")
+        raw: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(raw))
+        if len(types) != len(raw):
+            raise ValueError(
+                f"tokenizer.ggml.token_type has {len(types)} entries for {len(raw)} tokens"
+            )
+        spaces = [bool(t) and set(t) == {" "} for t in raw]
+        tokens = ["\u2581" * len(t) if sp else t for t, sp in zip(raw, spaces)]
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        merges = []
+        for i, t in enumerate(tokens):
+            if vocab[t] != i or types[i] not in (_TOKEN_TYPE_NORMAL, _TOKEN_TYPE_USER_DEFINED):
+                continue
+            if types[i] == _TOKEN_TYPE_USER_DEFINED and not spaces[i]:
+                continue  # matched whole as an added token, never built from parts
+            merges += [
+                (t[:j], t[j:]) for j in range(1, len(t)) if t[:j] in vocab and t[j:] in vocab
+            ]
+        unk = meta.get("tokenizer.ggml.unknown_token_id")
+        backend = tokenizers.Tokenizer(
+            models.BPE(
+                vocab,
+                merges,
+                unk_token=None if unk is None else tokens[int(unk)],
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        )
+        norm = [normalizers.Replace(" ", "\u2581")]
+        if meta.get("tokenizer.ggml.add_space_prefix", False):
+            norm.insert(0, normalizers.Prepend("\u2581"))
+        backend.normalizer = normalizers.Sequence(norm)
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix") else [])
+        )
+        backend.add_special_tokens(
+            [
+                AddedToken(raw[i], special=True, normalized=False)
+                for i, ty in enumerate(types)
+                if ty == _TOKEN_TYPE_CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(raw[i], special=False, normalized=False)
+                for i, ty in enumerate(types)
+                if ty == _TOKEN_TYPE_USER_DEFINED and not spaces[i]
+            ]
+        )
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            backend,
+            bos_id=None if bos is None else int(bos),
+            eos_ids=_gguf_eos_ids(meta),
+            chat_template=meta.get("tokenizer.chat_template"),
+            # llama.cpp prepends BOS to a SentencePiece vocabulary unless told otherwise.
+            add_bos_default=bool(meta.get("tokenizer.ggml.add_bos_token", bos is not None)),
         )
 
     @classmethod
@@ -286,7 +374,10 @@ class Tokenizer:
             if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}]
                 t = next((x["template"] for x in t if x.get("name") == "default"), None)
             template = t
-        return cls(backend, bos_id=bos, eos_ids=eos, chat_template=template)
+        add_bos = tok_cfg.get("add_bos_token") is True and bos is not None
+        return cls(
+            backend, bos_id=bos, eos_ids=eos, chat_template=template, add_bos_default=add_bos
+        )
 
     def save_hf_dir(self, path: str | os.PathLike[str]) -> None:
         """Writes `tokenizer.json` + `tokenizer_config.json` that `from_hf_dir` reads back."""
@@ -297,6 +388,8 @@ class Tokenizer:
             "bos_token": None if self.bos_id is None else self.backend.id_to_token(self.bos_id),
             "eos_token": self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else None,
         }
+        if self.add_bos_default:
+            cfg["add_bos_token"] = True
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
         (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
@@ -304,6 +397,16 @@ class Tokenizer:
             (d / "generation_config.json").write_text(
                 json.dumps({"eos_token_id": list(self.eos_ids)}, indent=2), encoding="utf-8"
             )
+
+
+def _gguf_eos_ids(meta: Mapping[str, Any]) -> list[int]:
+    """EOS, end-of-turn and end-of-message ids a GGUF names, in that order."""
+    keys = (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    )
+    return [int(meta[k]) for k in keys if meta.get(k) is not None]
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ its sink / low-bit / recent segments all in play (full precision, so the logits 
 
 import json
 
+import numpy as np
 import pytest
 
 from kvjax.cache.paged import CacheConfig
@@ -121,12 +122,26 @@ def test_layer_pattern_defaults_like_transformers():
     assert list(cfg.layer_types) == want
 
 
-def test_hf_loader_reads_multimodal_gemma3_config():
-    """A `gemma3` (image-text) config.json: the decoder is its text_config."""
-    text = make_hf_model(**CASES["gemma3_gqa4_window5_tied"]).config.to_dict()
-    cfg = ModelConfig.from_hf_dict({"model_type": "gemma3", "text_config": text})
-    want = ModelConfig.from_hf_dict(text)
-    assert cfg == want
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_hf_loader_reads_multimodal_gemma3_checkpoint(tmp_path, prefix):
+    """A `gemma3` (image-text) checkpoint: the decoder is its text_config and its tensors under
+    either spelling of the language-model prefix; the vision tower is left out."""
+    from safetensors.numpy import save_file
+
+    from kvjax.models.hf_loader import load_hf_checkpoint
+
+    hf = make_hf_model(**CASES["gemma3_gqa4_window5_tied"])
+    text = hf.config.to_dict()
+    want = {k: v.numpy() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    stored = {prefix + k[len("model.") :]: v for k, v in want.items()}
+    stored["model.vision_tower.patch_embedding.weight"] = np.zeros((2, 3), np.float32)
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    cfg, weights = load_hf_checkpoint(tmp_path)
+    assert cfg == ModelConfig.from_hf_dict(text)
+    assert weights.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_array_equal(weights[k], v)
 
 
 @pytest.mark.parametrize(

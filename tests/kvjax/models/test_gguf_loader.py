@@ -169,9 +169,140 @@ def test_attention_bias_is_loaded_and_unpermuted(tmp_path):
 
 
 def test_wrong_architecture_raises(tmp_path):
-    _write_gguf(tmp_path / "g.gguf", TINY, _hf_weights(TINY), arch="gemma3")
-    with pytest.raises(UnsupportedModelError, match=r"gemma3.*llama"):
+    _write_gguf(tmp_path / "g.gguf", TINY, _hf_weights(TINY), arch="falcon")
+    with pytest.raises(UnsupportedModelError, match=r"falcon.*llama, gemma3"):
         gguf_loader.load_gguf(tmp_path / "g.gguf")
+
+
+# --- synthetic Gemma 3 --------------------------------------------------------------------------
+
+GEMMA = ModelConfig(
+    model_type="gemma3_text",
+    vocab_size=270,  # see _spm_vocab
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=6,  # layers 0-4 sliding, 5 global (the default pattern)
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=16,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    sandwich_norms=True,
+    hidden_act="gelu_pytorch_tanh",
+    norm_style="gemma",
+    scale_embeddings=True,
+    query_pre_attn_scalar=16.0,
+    layer_types=("sliding_attention",) * 5 + ("full_attention",),
+    sliding_window=8,
+    rope_local_theta=1e4,
+)
+
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary laid out like Gemma's: specials, user-defined pieces (a
+    newline run, a run of spaces stored as real spaces), 256 byte pieces, then normal pieces
+    ranked best first."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\n\n", "  "]
+    types = [3, 3, 3, 3, 4, 4]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    normal = ["▁", "t", "h", "e", "he", "▁t", "▁the", "▁▁▁"]
+    tokens += normal
+    types += [1] * len(normal)
+    scores = [-1000.0] * 6 + [0.0] * 256 + [-float(i) for i in range(len(normal))]
+    return tokens, scores, types
+
+
+def _write_gemma_gguf(path: pathlib.Path, cfg: ModelConfig, weights: dict[str, np.ndarray]):
+    """Writes HF-layout Gemma weights as llama.cpp does: norms stored as 1 + w, rows unpermuted."""
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    tokens, scores, types = _spm_vocab()
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    to_gguf = {h: g for g, h in gguf_loader.gguf_to_hf_names(cfg).items()}
+    for hname, x in weights.items():
+        if hname.endswith("norm.weight"):
+            x = x + 1.0
+        w.add_tensor(to_gguf[hname], np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gemma3_roundtrip_config_norms_rows_and_tokenizer(tmp_path):
+    weights = _hf_weights(GEMMA, seed=3)
+    assert "model.layers.0.pre_feedforward_layernorm.weight" in weights
+    assert "lm_head.weight" not in weights
+    _write_gemma_gguf(tmp_path / "g.gguf", GEMMA, weights)
+    cfg, loaded, tok = gguf_loader.load_gguf(tmp_path / "g.gguf")
+    assert cfg == GEMMA
+    assert loaded.keys() == weights.keys()
+    for name, x in weights.items():  # norms back to HF's w; q/k rows untouched
+        np.testing.assert_allclose(loaded[name], x, atol=1e-6, rtol=0, err_msg=name)
+    # SentencePiece: spaces become "▁", pieces merge best first, BOS by default, bytes fall back.
+    ids = tok.encode("the the")
+    assert ids == [2, tok.token_to_id("t"), tok.token_to_id("he"), tok.token_to_id("▁the")]
+    assert tok.encode("the", add_bos=False) == ids[1:3]
+    # a run of spaces is one piece; "x" is no piece: its byte; "\n\n" is matched whole
+    got = tok.encode("   x\n\n", add_bos=False)
+    assert got == [tok.token_to_id("▁▁▁"), 6 + ord("x"), 4]
+    assert tok.decode(got) == "   x\n\n"
+    assert tok.decode(ids, skip_special_tokens=True) == "the the"
+
+
+def test_gemma3_layer_pattern_key_is_honoured(tmp_path):
+    meta = gguf_loader.read_metadata(_gemma_file(tmp_path))
+    names = frozenset(gguf_loader.gguf_to_hf_names(GEMMA))
+    meta["gemma3.attention.sliding_window_pattern"] = 2
+    assert (
+        gguf_loader.config_from_gguf_metadata(meta, names).layer_types
+        == (
+            "sliding_attention",
+            "full_attention",
+        )
+        * 3
+    )
+    meta["gemma3.attention.sliding_window_pattern"] = [True, False, False, True, True, True]
+    cfg = gguf_loader.config_from_gguf_metadata(meta, names)
+    assert [w is None for w in cfg.layer_windows] == [False, True, True, False, False, False]
+    meta["gemma3.attention.sliding_window_pattern"] = [True]
+    with pytest.raises(ValueError, match="1 flags for 6 layers"):
+        gguf_loader.config_from_gguf_metadata(meta, names)
+    del meta["gemma3.attention.sliding_window"]
+    del meta["gemma3.attention.sliding_window_pattern"]
+    with pytest.raises(ValueError, match="lacks gemma3.attention.sliding_window"):
+        gguf_loader.config_from_gguf_metadata(meta, names)
+
+
+def _gemma_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "g.gguf"
+    if not path.exists():
+        _write_gemma_gguf(path, GEMMA, _hf_weights(GEMMA, seed=4))
+    return path
 
 
 def test_missing_tensors_are_listed(tmp_path):

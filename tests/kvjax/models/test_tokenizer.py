@@ -205,7 +205,7 @@ def test_tiny_metadata_tokenizer():
 @pytest.mark.parametrize(
     ("key", "value", "match"),
     [
-        ("tokenizer.ggml.model", "llama", "'llama'"),
+        ("tokenizer.ggml.model", "t5", "'t5'"),
         ("tokenizer.ggml.pre", "qwen2", "'qwen2'"),
     ],
 )
