@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -333,12 +332,8 @@ def decode_attention_variant(
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)
     vi = None if value_inverse is None else value_inverse.astype(f32)
-    xla_tf = os.environ.get("KVJAX_TRANSFORMS_XLA") == "1"  # A/B of run 29; removed after
     if hoist and qt is not None:
-        if xla_tf:
-            qg = jnp.einsum("bhgd,hde->bhge", qg, qt, precision=jax.lax.Precision.HIGHEST)
-        else:
-            qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
+        qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
     acc, m, l = mod.paged_decode(
         cfg,
         qg,
@@ -359,11 +354,7 @@ def decode_attention_variant(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if mod.HAS_MERGE_KERNEL and xla_tf:
-        o = mod.merge_splits(acc, m, l, None, interpret=interpret)
-        if hoist and vi is not None:
-            o = jnp.einsum("bhrd,hde->bhre", o, vi, precision=jax.lax.Precision.HIGHEST)
-    elif mod.HAS_MERGE_KERNEL:  # GPU: merge + value inverse (hoisted) in one kernel
+    if mod.HAS_MERGE_KERNEL:  # GPU: merge + value inverse (hoisted) in one kernel
         o = mod.merge_splits(acc, m, l, vi if hoist else None, interpret=interpret)
     else:
         o = _merge_partials(acc, m, l)  # [B, Hkv, Gp, d]
