@@ -161,10 +161,13 @@ class CacheConfig:
         """Full-precision pages one sequence can hold during a step: sink pages, the recent pages
         being flushed by the step, and the recent pages after it (each under keep + flush)."""
         p = self.page_size
+        if self.all_full_precision:  # nothing is ever flushed: the whole sequence, once
+            return self.sink // p + -(-(self.max_seq_len - self.sink) // p)
         return self.sink // p + 2 * (-(-(self.keep + self.flush) // p) + 1)
 
     def lowbit_pages_per_seq(self) -> int:
-        return -(-max(0, self.max_seq_len - self.sink) // self.page_size)
+        """Low-bit pages hold positions [sink, quant_end(max_seq_len)): 0 when all full precision."""
+        return -(-(self.quant_end(self.max_seq_len) - self.sink) // self.page_size)
 
 
 # ------------------------------------------------------------------------------------------
