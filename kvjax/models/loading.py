@@ -1,4 +1,5 @@
-"""One entry for every model source: a local HF directory, a GGUF file, or the shipped default.
+"""One entry for every model source: a local HF directory, a GGUF file, or a shipped model
+(by name, `kvjax.assets.MODELS`: "smollm2-135m", the default, or "gemma3-270m").
 
 `load_model(path)` returns a `LoadedModel` (Flax model, tokenizer, config, fingerprint). The
 fingerprint identifies config *and* weights, so transforms calibrated for one model are refused
@@ -49,14 +50,24 @@ def model_fingerprint(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> str:
 def load_model(
     path: str | os.PathLike[str] | None = None, dtype: jnp.dtype = jnp.float32
 ) -> LoadedModel:
-    """Loads a model by path (HF checkpoint directory or `.gguf`), or the shipped default.
+    """Loads a model by path (HF checkpoint directory or `.gguf`) or shipped-model name.
+
+    Args:
+        path: a directory, a `.gguf` file, the name of a shipped model (`kvjax.assets.MODELS`,
+            used when no file or directory of that name exists), or None for the default
+            (SmolLM2-135M).
+        dtype: parameter and activation dtype.
 
     Raises:
-        ValueError: the path does not exist or is neither a directory nor a .gguf file (or any
-            loader error: unsupported architecture, missing tensors, corrupt files).
+        ValueError: the path does not exist and is no shipped model's name, or is neither a
+            directory nor a .gguf file (or any loader error: unsupported architecture, missing
+            tensors, corrupt files).
+        kvjax.assets.AssetError: a shipped model could not be fetched or failed its checksum.
     """
     if path is None:
         path = assets.default_model_path()
+    elif str(path) in assets.MODELS and not pathlib.Path(path).expanduser().exists():
+        path = assets.model_path(str(path))
     p = pathlib.Path(path).expanduser()
     if p.is_dir():
         from kvjax.models.hf_loader import load_hf_checkpoint
@@ -68,7 +79,9 @@ def load_model(
 
         cfg, weights, tokenizer = load_gguf(p)
     elif not p.exists():
-        raise ValueError(f"model path {str(p)!r} does not exist")
+        raise ValueError(
+            f"model path {str(p)!r} does not exist (shipped models: {', '.join(assets.MODELS)})"
+        )
     else:
         raise ValueError(f"model path {str(p)!r} is neither a HF checkpoint dir nor a .gguf file")
     fp = model_fingerprint(cfg, weights)
