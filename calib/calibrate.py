@@ -44,7 +44,7 @@ from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
 from kvjax.models.loading import LoadedModel, load_model
 from kvjax.models.model import capture_observed
-from kvjax.serving import sharding
+from kvjax.serving import drift, sharding
 from kvjax.storage import KVJAX_VERSION, save_transforms
 
 BASELINES = ("identity", "hadamard")  # always scored in the closing table
@@ -385,7 +385,8 @@ def main(cfg: CalibrateConfig) -> dict:
     cal, held = split_holdout(windows, cfg.holdout)
     baselines = tuple(m for m in BASELINES if not (d & (d - 1) and m in _HADAMARD_METHODS))
     all_methods = tuple(dict.fromkeys(baselines + methods))
-    names = required_stats(all_methods) | {"C_Q"}  # C_Q weights the key clip error
+    # C_Q weights the key clip error; KK and VV give the drift check its reference moments.
+    names = required_stats(all_methods) | {"C_Q", "KK", "VV"}
     # The token windows' hash covers the text and the tokenizer; every setting that shapes
     # the sums is in the key too, so a resume never mixes two runs' statistics.
     key = dict(
@@ -468,7 +469,10 @@ def main(cfg: CalibrateConfig) -> dict:
                 or f"shipped Shakespeare calibration plays ({', '.join(assets.CALIBRATION_PLAYS)})",
                 kvjax_version=KVJAX_VERSION,
             )
-            save_transforms(out / method, tf, meta)
+            ref = drift.reference_from_grams(
+                [f["KK"] for f in final], [f["VV"] for f in final], tf.a_k, tf.a_v
+            )
+            save_transforms(out / method, tf, meta, extras=ref.arrays())
     summary["seconds"] = time.perf_counter() - t_start
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_table(summary, table_bits)

@@ -5,6 +5,8 @@ A transforms checkpoint is a directory:
     metadata.json   format version, method and hyper-parameters, model fingerprint and config,
                     tokens used, data description, kvjax version, sha256 of every array
     arrays/         orbax checkpoint of {a_k, b_k, a_v, b_v, clip_k, clip_v}
+    extras.npz      optional named arrays kept with the transforms (the drift check's
+                    calibration moments, `kvjax.serving.drift`), digests in the metadata
 
 It is written to a temporary sibling and renamed into place, so an interrupted save never leaves
 a directory that looks valid. `load_transforms` checks the format version, the digests (a
@@ -26,6 +28,7 @@ import numpy as np
 
 from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
+from kvjax.serving.drift import DriftReference
 
 FORMAT_VERSION = 1
 KVJAX_VERSION = "0.1.0"
@@ -47,9 +50,13 @@ def _checkpointer():
 
 
 def save_transforms(
-    path: str | os.PathLike[str], tf: KVTransforms, metadata: dict[str, Any]
+    path: str | os.PathLike[str],
+    tf: KVTransforms,
+    metadata: dict[str, Any],
+    extras: dict[str, np.ndarray] | None = None,
 ) -> None:
-    """Writes `tf` and `metadata` (must include 'model_fingerprint') atomically to `path`."""
+    """Writes `tf`, `metadata` (must include 'model_fingerprint') and the optional `extras`
+    arrays atomically to `path`."""
     path = pathlib.Path(path).absolute()  # orbax refuses relative paths
     if "model_fingerprint" not in metadata:
         raise ValueError("metadata must include 'model_fingerprint'")
@@ -65,12 +72,19 @@ def save_transforms(
         shapes={k: list(a.shape) for k, a in arrays.items()},
         digests={k: _digest(a) for k, a in arrays.items()},
     )
+    extras = {k: np.asarray(a, np.float32) for k, a in (extras or {}).items()}
+    if extras:
+        meta["extras"] = {
+            k: dict(shape=list(a.shape), digest=_digest(a)) for k, a in extras.items()
+        }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         ckpt = _checkpointer()
         ckpt.save(tmp / "arrays", arrays)
         ckpt.wait_until_finished()
+        if extras:
+            np.savez(tmp / "extras.npz", **extras)
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         if path.exists():
             shutil.rmtree(path)
@@ -98,6 +112,34 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{FORMAT_VERSION})"
         )
     return meta
+
+
+def load_extras(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """The checkpoint's extra arrays ({} when it has none), checked against their digests."""
+    path = pathlib.Path(path)
+    recorded = read_metadata(path).get("extras", {})
+    if not recorded:
+        return {}
+    try:
+        with np.load(path / "extras.npz") as f:
+            out = {k: np.asarray(f[k]) for k in recorded}
+    except (OSError, KeyError, ValueError) as e:
+        raise TransformsCheckpointError(f"{path}: cannot read extras.npz ({e})") from e
+    for k, a in out.items():
+        if list(a.shape) != recorded[k]["shape"] or _digest(a) != recorded[k]["digest"]:
+            raise TransformsCheckpointError(f"{path}: extra array {k} does not match its digest")
+    return out
+
+
+def load_drift_reference(path: str | os.PathLike[str]) -> DriftReference:
+    """The drift check's calibration moments stored with a transforms checkpoint."""
+    extras = load_extras(path)
+    if "drift_k" not in extras:
+        raise TransformsCheckpointError(
+            f"{path} holds no drift reference (calibrated before kvjax stored one: rerun "
+            f"python -m kvjax.calibrate)"
+        )
+    return DriftReference.from_arrays(extras)
 
 
 def load_transforms(

@@ -166,7 +166,7 @@ class CacheConfig:
         return self.sink // p + 2 * (-(-(self.keep + self.flush) // p) + 1)
 
     def lowbit_pages_per_seq(self) -> int:
-        """Low-bit pages hold positions [sink, quant_end(max_seq_len)): 0 when all full precision."""
+        """Low-bit pages hold [sink, quant_end(max_seq_len)): none when all full precision."""
         return -(-(self.quant_end(self.max_seq_len) - self.sink) // self.page_size)
 
 
@@ -201,6 +201,23 @@ class StepPlan:
 
 
 @flax.struct.dataclass
+class KVMoments:
+    """Running sums of one layer's stored-frame keys and values, squared per channel (the
+    drift check of `kvjax.serving.drift`): written tokens only, padding rows excluded."""
+
+    k2: jax.Array  # f32[Hkv, d] sum over tokens of (k A_K)^2
+    v2: jax.Array  # f32[Hkv, d] sum over tokens of (v A_V)^2
+    count: jax.Array  # f32[] tokens summed
+
+    @classmethod
+    def zeros(cls, num_kv_heads: int, head_dim: int) -> KVMoments:
+        def z():  # distinct buffers: the engine donates the cache
+            return jnp.zeros((num_kv_heads, head_dim), jnp.float32)
+
+        return cls(k2=z(), v2=z(), count=jnp.zeros((), jnp.float32))
+
+
+@flax.struct.dataclass
 class PagedKVCache:
     pools: tuple[LayerPools, ...]
     transforms: KVTransforms
@@ -212,6 +229,8 @@ class PagedKVCache:
     mesh: Any = flax.struct.field(pytree_node=False, default=None)
     # Per layer window and quantizers (`CacheConfig.layer_policies`); () : cfg's, no windows.
     layers: tuple[LayerPolicy, ...] = flax.struct.field(pytree_node=False, default=())
+    # Opt-in per-layer moment sums (`with_moments`); None costs nothing.
+    moments: tuple[KVMoments, ...] | None = None
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -237,6 +256,11 @@ class PagedKVCache:
             sm_scale=model_cfg.attention_scale,
             layers=layers,
         )
+
+    def with_moments(self) -> PagedKVCache:
+        """This cache with zeroed per-layer moment sums, accumulated by every `attend`."""
+        hkv, d = self.pools[0].k_fp.shape[1], self.pools[0].k_fp.shape[3]
+        return self.replace(moments=tuple(KVMoments.zeros(hkv, d) for _ in self.pools))
 
     def policy(self, layer: int) -> LayerPolicy:
         """Window and quantizers of `layer`."""
@@ -350,7 +374,24 @@ class PagedKVCache:
             o = tf.outputs_from_value_frame(layer, o_t)
 
         pools_all = self.pools[:layer] + (new_pools,) + self.pools[layer + 1 :]
-        return o, self.replace(pools=pools_all)
+        new = self.replace(pools=pools_all)
+        if self.moments is not None:
+            new = new.replace(moments=self._add_moments(layer, plan, k_t, v_t))
+        return o, new
+
+    def _add_moments(self, layer: int, plan: StepPlan, k_t, v_t) -> tuple[KVMoments, ...]:
+        # A token is real when the plan stores it somewhere (padding goes to the drop slot).
+        real = (plan.new_fp_dst < self.num_fp_pages * self.cfg.page_size) | (
+            plan.new_low_dst < self.num_lowbit_pages * self.cfg.page_size
+        )  # [B, T]
+        w = real.astype(jnp.float32)[:, :, None, None]
+        m = self.moments[layer]
+        upd = KVMoments(
+            k2=m.k2 + jnp.sum(w * jnp.square(k_t.astype(jnp.float32)), axis=(0, 1)),
+            v2=m.v2 + jnp.sum(w * jnp.square(v_t.astype(jnp.float32)), axis=(0, 1)),
+            count=m.count + jnp.sum(real),
+        )
+        return self.moments[:layer] + (upd,) + self.moments[layer + 1 :]
 
     def advance(self, num_tokens: int) -> PagedKVCache:
         return self.replace(lengths=self.lengths + num_tokens)

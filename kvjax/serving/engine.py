@@ -46,7 +46,7 @@ from kvjax.cache.dense import DenseKVCache
 from kvjax.cache.paged import CacheConfig, PagedKVCache, StepPlan
 from kvjax.cache.transforms import KVTransforms
 from kvjax.models.model import Transformer
-from kvjax.serving import sharding
+from kvjax.serving import drift, sharding
 from kvjax.serving.sampling import SamplingParams, base_key, sample_rows
 
 MAX_STOP_IDS = 8
@@ -66,6 +66,8 @@ class EngineConfig:
       expected_seq_len: prompt + output length the budget is split for (the full-precision
         pool gets what that many sequences of this length hold); None: max_seq_len.
       prefix_sharing: register and adopt shared prompt prefixes (paged cache only).
+      drift_check: keep per-layer stored-frame moment sums of every served token for
+        `Engine.drift_report` (paged cache only; off costs nothing).
     """
 
     max_seqs: int = 8
@@ -75,6 +77,7 @@ class EngineConfig:
     kv_memory_gb: float | None = None
     expected_seq_len: int | None = None
     prefix_sharing: bool = True
+    drift_check: bool = False
 
     def __post_init__(self):
         for name in ("max_seqs", "prefill_chunk", "prefill_tokens_per_step", "decode_steps"):
@@ -311,6 +314,8 @@ class Engine:
         self.num_slots = ecfg.max_seqs
         tf = self.transforms
         self.cache = PagedKVCache.create(self.cfg, ccfg, tf, 1).replace(transforms=None)
+        if ecfg.drift_check:
+            self.cache = self.cache.with_moments()
         self.manager = PageManager(
             cfg=ccfg,
             num_fp_pages=self.cache.num_fp_pages,
@@ -334,6 +339,17 @@ class Engine:
         if self.cache_kind == "paged":
             cache = cache.replace(plan=None, lengths=jnp.zeros((1,), jnp.int32))
         self.cache = cache
+
+    def drift_report(self, reference: drift.DriftReference, reset: bool = False) -> dict:
+        """Per-layer drift scores of the tokens served so far against `reference` (stored with
+        the transforms: `kvjax.storage.load_drift_reference`); `reset` starts the sums over."""
+        if self.cache_kind != "paged" or self.cache.moments is None:
+            raise ValueError("drift_report needs Engine(cache_kind='paged') with "
+                             "EngineConfig(drift_check=True)")  # fmt: skip
+        out = drift.report(self.cache.moments, reference)
+        if reset:
+            self.cache = self.cache.with_moments()
+        return out
 
     def allocated_bytes(self) -> int:
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self.cache))
