@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from eval import attention_error, common, perplexity, retrieval
+from eval import attention_error, common, drift, perplexity, retrieval
 from kvjax.cache.paged import CacheConfig
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
 from kvjax.models.loading import LoadedModel
 from kvjax.models.model import Transformer
-from kvjax.storage import save_transforms
+from kvjax.serving.drift import DriftReference
+from kvjax.storage import TransformsCheckpointError, save_transforms
 
 CFG = ModelConfig(
     model_type="llama",
@@ -35,6 +36,8 @@ FINGERPRINT = "tiny-test-model"
 
 class ByteTokenizer:
     """Bytes folded into the tiny vocabulary; enough for windows and prompts."""
+
+    vocab_size = CFG.vocab_size
 
     def encode(self, text: str) -> list[int]:
         return [b % CFG.vocab_size for b in text.encode()]
@@ -200,6 +203,30 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     for r in rows:
         assert {"transform", "quantizer", "bits", "windows", "length", "metric", "value"} <= set(r)
         assert 0.0 <= r["value"] <= 1.0 and r["trials"] == 2
+
+
+def test_drift_main_scores_every_text(lm, calib_dir, tmp_path, monkeypatch):
+    with pytest.raises(TransformsCheckpointError, match="no drift reference"):
+        drift.main(drift.DriftConfig(transforms=str(calib_dir / "wush")), lm)
+    shape = (CFG.num_layers, CFG.num_kv_heads, CFG.head_dim)
+    ref = DriftReference(np.ones(shape, np.float32), np.ones(shape, np.float32))
+    save_transforms(
+        tmp_path / "tf", _random_transforms(3), dict(model_fingerprint=FINGERPRINT),
+        extras=ref.arrays(),
+    )  # fmt: skip
+    plays = "".join(chr(48 + (i * 7) % 60) for i in range(3000))
+    monkeypatch.setattr(drift.assets, "load_text", lambda p, **kw: plays)
+    monkeypatch.setattr(
+        drift, "code_text", lambda: "".join(chr(33 + (i * 11) % 90) for i in range(3000))
+    )
+    cfg = drift.DriftConfig(transforms=str(tmp_path / "tf"), windows=2, seq_len=64,
+                            out=str(tmp_path))  # fmt: skip
+    drift.main(cfg, lm)
+    rows = json.loads((tmp_path / "drift.json").read_text())["rows"]
+    assert [r["text"] for r in rows] == ["heldout", "code", "shuffled"]
+    for r in rows:
+        assert r["tokens"] == 2 * 64 and len(r["k"]) == CFG.num_layers
+        assert np.isfinite(r["max"]) and r["max"] >= 0
 
 
 def test_make_trials_places_key_and_answer(lm):
