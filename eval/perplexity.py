@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from eval import common
-from kvjax import cli
+from kvjax import assets, cli
 from kvjax.cache.paged import CacheConfig
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
@@ -67,6 +67,9 @@ class PerplexityConfig:
     )
     crosscheck_tokens: int = cli.option(
         0, ">0: also run wush at 2 bits through the real paged cache"
+    )
+    data: str | None = cli.option(
+        None, "evaluation text (.txt, dir of .txt, .jsonl, .parquet); default: the shipped plays"
     )
     out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
     plot: bool = cli.option(True, "write the PNG plot")
@@ -296,8 +299,9 @@ def plot(rows: list[dict], cfg: PerplexityConfig, path: pathlib.Path) -> None:
 
 def main(cfg: PerplexityConfig, lm: LoadedModel | None = None) -> dict:
     """Runs the grid and writes perplexity.{json,md,png} under cfg.out; returns the payload."""
+    text = assets.load_text(cfg.data) if cfg.data else None  # a bad file fails before the model
     lm = lm or load_model(cfg.model)
-    windows = common.evaluation_windows(lm.tokenizer, cfg.seq_len, cfg.num_windows)
+    windows = common.evaluation_windows(lm.tokenizer, cfg.seq_len, cfg.num_windows, text)
     t0 = time.perf_counter()
     rows = run_grid(cfg, lm, windows)
     extra = {}

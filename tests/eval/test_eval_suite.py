@@ -155,6 +155,26 @@ def test_perplexity_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     assert (tmp_path / "perplexity.png").stat().st_size > 0
 
 
+def test_perplexity_data_is_read_before_the_model(lm, tmp_path, monkeypatch):
+    def no_model(_):
+        raise AssertionError("the model loaded before the text was checked")
+
+    monkeypatch.setattr(perplexity, "load_model", no_model)
+    with pytest.raises(ValueError, match="does not exist"):
+        perplexity.main(perplexity.PerplexityConfig(data=str(tmp_path / "missing.txt")))
+    seen = {}
+    (tmp_path / "t.txt").write_text("".join(chr(48 + (i * 7) % 60) for i in range(3000)))
+
+    def windows(tok, n, k, text=None):
+        seen["text"] = text
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(common, "evaluation_windows", windows)
+    with pytest.raises(RuntimeError, match="stop"):
+        perplexity.main(perplexity.PerplexityConfig(data=str(tmp_path / "t.txt")), lm)
+    assert seen["text"].startswith("0")
+
+
 def test_attention_error_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(
         common,
