@@ -99,8 +99,12 @@ def make_trials(
         ValueError: the length cannot hold the fixed text, or the filler is too short.
     """
     rng = np.random.default_rng(seed + length)
-    enc = lambda s: np.asarray(tokenizer.encode(s), np.int32)  # noqa: E731
+    # Pieces are encoded without BOS and joined; a model that wants BOS first (Gemma) gets one
+    # at the start of the prompt only.
+    enc = lambda s: np.asarray(_encode_no_bos(tokenizer, s), np.int32)  # noqa: E731
     intro, question = enc(INTRO), enc(QUESTION)
+    if getattr(tokenizer, "add_bos_default", False):
+        intro = np.concatenate([[tokenizer.bos_id], intro]).astype(np.int32)
     rows, info, answer_len = [], [], None
     for di, depth in enumerate(depths):
         for r in range(keys_per_depth):
@@ -130,6 +134,13 @@ def make_trials(
     return np.stack(rows).astype(np.int32), length - answer_len, info
 
 
+def _encode_no_bos(tokenizer, text: str) -> list[int]:
+    """Ids of a prompt piece: no BOS even from a tokenizer that adds one by default (Gemma)."""
+    if getattr(tokenizer, "add_bos_default", False):
+        return tokenizer.encode(text, add_bos=False)
+    return tokenizer.encode(text)
+
+
 def score_trials(
     scorer: common.TokenScorer,
     ids: np.ndarray,  # i32[N, L]
@@ -154,7 +165,7 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
     """Runs every (setting, length) and writes retrieval.{json,md}; returns the payload."""
     lm = lm or load_model(cfg.model)
     t0 = time.perf_counter()
-    filler = np.asarray(lm.tokenizer.encode(assets.evaluation_text()), np.int32)
+    filler = np.asarray(_encode_no_bos(lm.tokenizer, assets.evaluation_text()), np.int32)
     scorer = common.TokenScorer(lm.model)
     sink, keep, flush = cfg.windows
     win = f"{sink}/{keep}/{flush}"

@@ -188,9 +188,12 @@ def test_fingerprint_of_older_architectures_unchanged_by_new_fields():
         num_kv_heads=1,
         head_dim=4,
     )
-    # The hash of the field set before GLM/MoE support, so stored transforms stay valid.
+    # The hash of the field set before GLM/MoE (and Gemma 3) support, so stored transforms stay
+    # valid.
     d = llama.to_dict()
-    for name in ("rope_interleaved", "sandwich_norms", "moe"):
+    gemma_fields = ("hidden_act", "norm_style", "scale_embeddings", "query_pre_attn_scalar")
+    gemma_fields += ("final_logit_softcapping", "layer_types", "sliding_window", "rope_local_theta")
+    for name in ("rope_interleaved", "sandwich_norms", "moe", *gemma_fields):
         del d[name]
     blob = json.dumps(d, sort_keys=True, default=str).encode()
     assert llama.fingerprint() == hashlib.sha256(blob).hexdigest()[:16]

@@ -133,8 +133,25 @@ def test_special_tokens_match_reference(tok, ref):
 
 
 def test_add_bos(tok):
+    assert not tok.add_bos_default  # SmolLM2's GGUF says add_bos_token=False
     assert tok.encode("hi", add_bos=True) == [tok.bos_id, *tok.encode("hi")]
     assert tok.encode_batch(["hi", "there"], add_bos=True)[1] == tok.encode("there", add_bos=True)
+
+
+def test_bos_by_default_when_the_model_asks(tok, tmp_path):
+    """A tokenizer whose metadata asks for BOS (Gemma) prepends it unless told not to, and an
+    HF directory round trip keeps that (tokenizer_config.json add_bos_token)."""
+    gemma_like = Tokenizer(
+        tok.backend, bos_id=tok.bos_id, eos_ids=tok.eos_ids, add_bos_default=True
+    )
+    plain = tok.encode("hi")
+    assert gemma_like.encode("hi") == [tok.bos_id, *plain]
+    assert gemma_like.encode("hi", add_bos=False) == plain
+    assert gemma_like.encode_batch(["hi"]) == [[tok.bos_id, *plain]]
+    gemma_like.save_hf_dir(tmp_path)
+    assert Tokenizer.from_hf_dir(tmp_path).add_bos_default
+    with pytest.raises(ValueError, match="add_bos_default=True but this tokenizer has no BOS"):
+        Tokenizer(tok.backend, bos_id=None, add_bos_default=True)
 
 
 def test_decode_accepts_arrays_and_validates(tok):
