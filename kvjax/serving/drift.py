@@ -14,7 +14,9 @@ channels cannot dominate. 0 means the same profile; 1 means channels off by 2x o
 reference is stored with the transforms (`kvjax.calibrate` writes it; read it with
 `kvjax.storage.load_drift_reference`); the engine keeps the sums when
 `EngineConfig(drift_check=True)` (`PagedKVCache.with_moments`) and reports them through
-`Engine.drift_report(reference)`. Off, nothing is computed. The threshold is measured, not
+`Engine.drift_report(reference)`. Off, nothing is computed. The sums cover the tokens the
+model computes: a prefix adopted from the prefix cache is not counted again, a preempted
+request's re-prefill is. The threshold is measured, not
 derived: `eval.drift` scores held-out text of the calibration kind against other text on the
 shipped model (RESULTS.md).
 """

@@ -228,6 +228,8 @@ class Engine:
         self.model, self.cfg, self.cache_kind = model, model.cfg, cache_kind
         self.ecfg, self.tokenizer = ecfg, tokenizer
         self.cache_cfg = cache_cfg or CacheConfig()
+        if ecfg.drift_check and cache_kind != "paged":
+            raise ValueError(f"drift_check=True needs cache_kind='paged', not {cache_kind!r}")
         if cache_kind == "paged" and ecfg.prefill_chunk % self.cache_cfg.page_size:
             raise ValueError(
                 f"prefill_chunk={ecfg.prefill_chunk} must be a multiple of "

@@ -94,6 +94,8 @@ def test_drift_report_needs_the_check_on(model):
     assert eng.cache.moments is None  # off: the cache carries nothing
     with pytest.raises(ValueError, match="drift_check=True"):
         eng.drift_report(ref)
+    with pytest.raises(ValueError, match="needs cache_kind='paged', not 'dense'"):
+        Engine(model, cache_kind="dense", engine_cfg=dataclasses.replace(ECFG, drift_check=True))
 
 
 def test_reference_is_stored_beside_the_transforms(tmp_path):
