@@ -129,6 +129,19 @@ def perplexity(logprobs: np.ndarray) -> float:
     return float(math.exp(-float(np.mean(logprobs, dtype=np.float64))))
 
 
+def paired_change_se(logprobs: np.ndarray, fp_logprobs: np.ndarray) -> float | None:
+    """Standard error of the relative perplexity change vs full precision, paired over windows.
+
+    The change is exp(mean_w d_w) - 1 with d_w a window's mean NLL minus full precision's on the
+    same window (windows have equal token counts); its delta-method standard error is
+    exp(mean d) * std(d) / sqrt(N). None with one window.
+    """
+    d = -logprobs.mean(axis=1, dtype=np.float64) + fp_logprobs.mean(axis=1, dtype=np.float64)
+    if len(d) < 2:
+        return None
+    return float(math.exp(d.mean()) * d.std(ddof=1) / math.sqrt(len(d)))
+
+
 def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> list[dict]:
     """Every row of the grid, full precision first."""
     scorer = common.TokenScorer(lm.model)
@@ -143,7 +156,8 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
     )
     rows = []
     t0 = time.perf_counter()
-    fp = perplexity(score(scorer, windows, None, None, cfg))
+    fp_lp = score(scorer, windows, None, None, cfg)
+    fp = perplexity(fp_lp)
     rows.append(
         dict(
             transform=common.FULL_PRECISION,
@@ -152,6 +166,7 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
             windows=None,
             value=fp,
             rel_to_fp=0.0,
+            rel_to_fp_se=None,
             seconds=time.perf_counter() - t0,
             **base,
         )
@@ -173,7 +188,9 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
                     cfg.calib_dir, method, bits, lm.cfg, lm.fingerprint
                 )
             t0 = time.perf_counter()
-            ppl = perplexity(score(scorer, windows, ccfg, transforms_cache[key], cfg))
+            lp = score(scorer, windows, ccfg, transforms_cache[key], cfg)
+            ppl = perplexity(lp)
+            se = paired_change_se(lp, fp_lp)
             rows.append(
                 dict(
                     transform=method,
@@ -182,6 +199,7 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
                     windows=window_name(win),
                     value=ppl,
                     rel_to_fp=ppl / fp - 1.0,
+                    rel_to_fp_se=se,
                     seconds=time.perf_counter() - t0,
                     **base,
                 )
@@ -221,14 +239,21 @@ def crosscheck(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> d
     )
 
 
+def cell(r: dict) -> str:
+    """perplexity (change vs full precision ± its paired standard error over windows)."""
+    se = r.get("rel_to_fp_se")
+    pm = "" if se is None else f" ± {100 * se:.1f}"
+    return f"{r['value']:.2f} ({100 * r['rel_to_fp']:+.1f}%{pm})"
+
+
 def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
     fp = rows[0]["value"]
     n_win, n_tok = rows[0]["num_windows"], rows[0]["tokens"]
     lines = [
-        f"Perplexity on {n_win} x {rows[0]['seq_len']}-token windows of the evaluation "
-        f"plays ({n_tok} predicted tokens), {cfg.chunk}-token chunks, engine "
-        f"`{cfg.engine}`. Full precision: **{fp:.3f}**. Cells: perplexity (change vs full "
-        f"precision).\n"
+        f"Perplexity on {n_win} x {rows[0]['seq_len']}-token windows of "
+        f"{cfg.data or 'the evaluation plays'} ({n_tok} predicted tokens), {cfg.chunk}-token "
+        f"chunks, engine `{cfg.engine}`. Full precision: **{fp:.3f}**. Cells: perplexity "
+        f"(change vs full precision ± its standard error, paired over windows).\n"
     ]
     prot = window_name(cfg.protocol)
     cols = [(q, b) for q in cfg.quantizers for b in cfg.bits]
@@ -245,7 +270,7 @@ def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
             keys += [(m, "oscar", b, serv) for b in cfg.serving_bits]
         for k in keys:
             r = by.get(k)
-            cells.append("-" if r is None else f"{r['value']:.2f} ({100 * r['rel_to_fp']:+.1f}%)")
+            cells.append("-" if r is None else cell(r))
         table.append(cells)
     lines.append(
         f"Windows sink/keep/flush = {prot}"

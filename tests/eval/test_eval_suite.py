@@ -155,6 +155,17 @@ def test_perplexity_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     assert (tmp_path / "perplexity.png").stat().st_size > 0
 
 
+def test_paired_change_se():
+    rng = np.random.default_rng(0)
+    fp = rng.normal(-3.0, 1.0, size=(4, 50))
+    assert perplexity.paired_change_se(fp - 0.1, fp) == pytest.approx(0.0, abs=1e-12)
+    shift = np.array([0.0, 0.1, 0.2, 0.3])[:, None]
+    se = perplexity.paired_change_se(fp - shift, fp)
+    d = shift[:, 0]
+    assert se == pytest.approx(np.exp(d.mean()) * d.std(ddof=1) / 2.0)
+    assert perplexity.paired_change_se(fp[:1], fp[:1]) is None
+
+
 def test_perplexity_data_is_read_before_the_model(lm, tmp_path, monkeypatch):
     def no_model(_):
         raise AssertionError("the model loaded before the text was checked")
