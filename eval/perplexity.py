@@ -16,7 +16,9 @@ real cache in the tests and, with --crosscheck-tokens, on the real model); `page
 chunks through `kvjax.cache.paged` itself (about ten times slower on CPU).
 
 Writes <out>/perplexity.json (one row per setting: transform, quantizer, bits, windows, metric,
-value), <out>/perplexity.md, and <out>/perplexity.png (perplexity vs bits per transform).
+value, rel_to_fp and its standard error paired over windows, rel_to_fp_se), <out>/perplexity.md,
+and <out>/perplexity.png (perplexity vs bits per transform). `--data` scores a user's text
+instead of the evaluation plays.
 """
 
 from __future__ import annotations
