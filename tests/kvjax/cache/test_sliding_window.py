@@ -109,23 +109,45 @@ def test_dense_cache_masks_old_keys(model, tokens, dense_logits):
 CHUNKS = [8, 1, 1, 1, 1, 1, 1, 8, 8]  # 30 tokens: a prefill chunk, decode steps, chunks
 
 
-def test_full_precision_sliding_layers_stay_exact(tokens):
-    """Every layer slides; at 2 bits with the default policy the sliding layers keep their
-    middle segment in full precision, so the logits equal the plain forward's. The
-    'quantized' policy puts them through the 2-bit quantizer like global layers."""
-    cfg = dataclasses.replace(CFG, layer_types=("sliding_attention",) * CFG.num_layers)
-    model = Transformer(cfg, rngs=nnx.Rngs(1))
+ALL_SLIDING = dataclasses.replace(CFG, layer_types=("sliding_attention",) * CFG.num_layers)
+TWO_BIT = CacheConfig(
+    sink=4, keep=4, flush=4, page_size=4, quant=QuantConfig("oscar", 2), max_seq_len=32
+)
+
+
+def test_sliding_layer_pools_follow_the_policy():
+    def pools(cfg, ccfg):
+        tf = KVTransforms.identity(cfg)
+        cache = jax.eval_shape(lambda: PagedKVCache.create(cfg, ccfg, tf, 1))
+        return [len(p.k_low) for p in cache.pools]  # 1: full-precision array; 3: codes/scale/zero
+
+    assert pools(CFG, TWO_BIT) == [1, 3, 1]
+    assert pools(CFG, dataclasses.replace(TWO_BIT, sliding_layers="quantized")) == [3, 3, 3]
+
+
+@pytest.fixture(scope="module")
+def all_sliding(tokens):
+    model = Transformer(ALL_SLIDING, rngs=nnx.Rngs(1))
     want, _ = jax.jit(lambda t: model(t))(jnp.asarray(tokens))
-    tf = KVTransforms.identity(cfg)
-    q = QuantConfig("oscar", 2)
-    ccfg = CacheConfig(sink=4, keep=4, flush=4, page_size=4, quant=q, max_seq_len=32)
-    got, cache = _paged_logits(model, cfg, tokens, ccfg, tf, CHUNKS)
-    assert [len(p.k_low) for p in cache.pools] == [1, 1, 1]  # full-precision middle pools
-    np.testing.assert_allclose(got, np.asarray(want), atol=2e-5, rtol=0)
-    quantized = dataclasses.replace(ccfg, sliding_layers="quantized")
-    got_q, cache_q = _paged_logits(model, cfg, tokens, quantized, tf, CHUNKS)
-    assert [len(p.k_low) for p in cache_q.pools] == [3, 3, 3]  # codes, scale, zero
-    assert np.abs(got_q - got).max() > 1e-3
+    return model, np.asarray(want)
+
+
+def test_full_precision_sliding_layers_stay_exact(tokens, all_sliding):
+    """Every layer slides; at 2 bits with the default policy the sliding layers keep their
+    middle segment in full precision, so the logits equal the plain forward's."""
+    model, want = all_sliding
+    tf = KVTransforms.identity(ALL_SLIDING)
+    got, _ = _paged_logits(model, ALL_SLIDING, tokens, TWO_BIT, tf, CHUNKS)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_quantized_policy_quantizes_sliding_layers(tokens, all_sliding):
+    model, want = all_sliding
+    tf = KVTransforms.identity(ALL_SLIDING)
+    quantized = dataclasses.replace(TWO_BIT, sliding_layers="quantized")
+    got, _ = _paged_logits(model, ALL_SLIDING, tokens, quantized, tf, CHUNKS)
+    assert np.abs(got - want).max() > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -166,3 +188,31 @@ def test_eval_simulation_matches_paged_cache_with_windows(model):
         sim = scorer.one_pass(windows, ccfg, tf, 4)
         real = scorer.chunked(windows, ccfg, tf, 4)
         np.testing.assert_allclose(sim, real, atol=5e-5, rtol=0, err_msg=policy)
+
+
+@pytest.mark.slow
+def test_pallas_decode_routes_sliding_layers_to_the_reference_path():
+    """attention='pallas' (interpret mode on CPU): global layers decode through the 2-bit kernel
+    at Gemma 3 270M's head shape (head_dim 256, one KV head for four query heads), sliding layers
+    through the reference path; the logits match the all-reference cache."""
+    cfg = dataclasses.replace(
+        CFG,
+        num_layers=2,
+        head_dim=256,
+        query_pre_attn_scalar=256.0,
+        layer_types=("sliding_attention", "full_attention"),
+    )
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 56)).astype(np.int32)
+    tf = KVTransforms.identity(cfg)
+    ref_cfg = CacheConfig(  # the kernels take pages of >= 16 tokens
+        sink=16, keep=16, flush=16, page_size=16, quant=QuantConfig("oscar", 2), max_seq_len=64
+    )
+    chunks = [40] + [1] * 16  # decode steps read sink, low-bit and recent pages
+    want, _ = _paged_logits(model, cfg, tokens, ref_cfg, tf, chunks)
+    pallas_cfg = dataclasses.replace(ref_cfg, attention="pallas")
+    got, _ = _paged_logits(model, cfg, tokens, pallas_cfg, tf, chunks)
+    # test_paged_cache's kernel-vs-reference budget: the quantize+pack kernel and the jnp
+    # quantizer may round a borderline code differently.
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, atol=2e-3 * scale, rtol=0)
