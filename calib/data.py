@@ -40,7 +40,8 @@ def token_windows(
     max_windows: int | None = None,
     source: str = "text",
 ) -> np.ndarray:  # i32[N, seq_len]
-    """Non-overlapping `seq_len`-token windows of `text`, at most `max_windows` of them.
+    """Non-overlapping `seq_len`-token windows of `text`, at most `max_windows` of them; BOS
+    first in each when the tokenizer starts sequences with it (`add_bos_default`).
 
     Raises:
         ValueError: seq_len < 2, degenerate text (`check_text`, or fewer than
@@ -62,7 +63,12 @@ def token_windows(
         raise ValueError(f"text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}")
     if max_windows is not None:
         n = min(n, max_windows)
-    return ids[: n * seq_len].reshape(n, seq_len)
+    w = ids[: n * seq_len].reshape(n, seq_len).copy()
+    if getattr(tokenizer, "add_bos_default", False):
+        # Each window is a sequence of its own: a model whose tokenizer starts sequences with
+        # BOS (Gemma) gets it first in every window, not only in the first.
+        w[:, 0] = tokenizer.bos_id
+    return w
 
 
 def split_holdout(windows: np.ndarray, num_holdout: int) -> tuple[np.ndarray, np.ndarray]:

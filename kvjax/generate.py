@@ -62,7 +62,9 @@ class GenerateConfig:
         "decode attention: pure jnp or the Pallas kernels",
         choices=("reference", "pallas"),
     )
-    add_bos: bool = cli.option(False, "prepend the BOS token")
+    add_bos: bool | None = cli.option(
+        None, "prepend the BOS token (default: what the model's tokenizer metadata says)"
+    )
 
 
 def validate(cfg: GenerateConfig) -> None:
@@ -96,7 +98,8 @@ def validate(cfg: GenerateConfig) -> None:
     cli.check(
         cfg.group_size is None or cfg.group_size > 0, f"--group-size {cfg.group_size}: must be > 0"
     )
-    cli.check_paths_exist(model=cfg.model, transforms=cfg.transforms)
+    shipped = cfg.model in assets.MODELS  # a shipped model's name, fetched on first use
+    cli.check_paths_exist(model=None if shipped else cfg.model, transforms=cfg.transforms)
     for flag, path in (("--prompt-file", cfg.prompt_file), ("--prompts-file", cfg.prompts_file)):
         cli.check(path is None or pathlib.Path(path).is_file(), f"{flag} {path!r} is not a file")
 

@@ -63,6 +63,16 @@ def test_generate_checks_options_before_loading(argv, msg, monkeypatch, capsys):
     assert msg in capsys.readouterr().err.splitlines()[0]
 
 
+def test_generate_takes_a_shipped_models_name(monkeypatch):
+    def loaded(path):
+        raise RuntimeError(f"load {path}")
+
+    monkeypatch.setattr(gen, "load_model", loaded)
+    with pytest.raises(RuntimeError, match="load gemma3-270m"):  # past the path check
+        gen.main(gen.parse_args(["--model", "gemma3-270m"]))
+    assert gen.parse_args([]).add_bos is None  # the tokenizer's own default
+
+
 def test_dataclass_parsers_default_to_the_config_and_round_trip():
     from calib import calibrate as cal
     from eval import (
