@@ -145,7 +145,13 @@ def make_stats_step(lm: LoadedModel, names: frozenset[str]):
         m = nnx.merge(graphdef, params)
         m.set_observer(
             lambda l, q, k, v, o: update_stats(
-                stats[l], q, k, v, o, w_o=_o_proj_torch(m, l) if needs_wo else None
+                stats[l],
+                q,
+                k,
+                v,
+                o,
+                w_o=_o_proj_torch(m, l) if needs_wo else None,
+                sm_scale=lm.cfg.attention_scale,
             )
         )
         m(tokens)
@@ -300,20 +306,22 @@ def to_kv_transforms(pairs: list[TransformPair], clip_k, clip_v) -> KVTransforms
     )
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
-def _layer_output_error(q, k, v, a_k, b_k, a_v, b_v, ck, cv, w_o, *, bits, group_size):
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "sm_scale"))
+def _layer_output_error(q, k, v, a_k, b_k, a_v, b_v, ck, cv, w_o, *, bits, group_size, sm_scale):
     qc = QuantConfig(method="oscar", bits=bits, group_size=group_size)
     d = k.shape[-1]
     k_hat = errors.roundtrip(k, a_k, b_k, qc, ck)
     v_hat = errors.roundtrip(v, a_v, b_v, qc, cv)
     e = errors.attention_errors(
-        q, k, v, k_hat, v_hat, errors.w_o_heads(w_o, k.shape[2], d), d**-0.5
+        q, k, v, k_hat, v_hat, errors.w_o_heads(w_o, k.shape[2], d), sm_scale
     )
     return e["out_err"] / e["out_ref"]
 
 
-def output_errors(acts, pairs, clips, w_o, bits, group_size=None) -> np.ndarray:
-    """Relative module-output error per layer, K and V both quantized (oscar quantizer)."""
+def output_errors(acts, pairs, clips, w_o, bits, group_size=None, sm_scale=None) -> np.ndarray:
+    """Relative module-output error per layer, K and V both quantized (oscar quantizer);
+    `sm_scale` None: head_dim ** -0.5."""
+    sm = float(acts[0][1].shape[-1] ** -0.5 if sm_scale is None else sm_scale)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     return np.asarray(
         [
@@ -331,6 +339,7 @@ def output_errors(acts, pairs, clips, w_o, bits, group_size=None) -> np.ndarray:
                     f(wo),
                     bits=bits,
                     group_size=group_size,
+                    sm_scale=sm,
                 )
             )
             for (q, k, v), pr, (ck, cv), wo in zip(acts, pairs, zip(*clips), w_o)
@@ -431,6 +440,7 @@ def main(cfg: CalibrateConfig) -> dict:
     for mi, method in enumerate(all_methods):
         _phase(f"transforms and clips: {method} ({mi + 1}/{len(all_methods)})")
         pairs = build_method(method, final, lm, cfg)
+        sm = lm.cfg.attention_scale  # the model's softmax scale (query_pre_attn_scalar, Gemma)
         clips_by_bits = {}
         for b in sorted(set(cfg.bits) | {table_bits}):
             if cfg.clips == "paper":
@@ -438,10 +448,12 @@ def main(cfg: CalibrateConfig) -> dict:
                 cv = np.full(lm.cfg.num_layers, clip_lib.PAPER_CLIPS[1], np.float32)
             else:
                 ck, cv = clip_lib.calibrate_clips(
-                    acts, pairs, c_q, w_o, bits=b, group_size=cfg.group_size
+                    acts, pairs, c_q, w_o, bits=b, group_size=cfg.group_size, sm_scale=sm
                 )
             clips_by_bits[b] = (ck, cv)
-        err = output_errors(acts, pairs, clips_by_bits[table_bits], w_o, table_bits, cfg.group_size)
+        err = output_errors(
+            acts, pairs, clips_by_bits[table_bits], w_o, table_bits, cfg.group_size, sm
+        )
         summary["methods"][method] = dict(
             output_error=err.tolist(),
             clips={

@@ -48,8 +48,10 @@ def calibrate_clips(
     bits: int,
     group_size: int | None = None,
     grid: tuple[float, ...] = CLIP_GRID,
+    sm_scale: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Best (kappa_K f32[L], kappa_V f32[L]) on the grid, per layer."""
+    """Best (kappa_K f32[L], kappa_V f32[L]) on the grid, per layer; `sm_scale` is the model's
+    softmax scale (`ModelConfig.attention_scale`; None: head_dim ** -0.5)."""
     if 1.0 not in grid:
         raise ValueError(f"clip grid {grid} must include 1.0 (no clip)")
     g = jnp.asarray(grid, jnp.float32)
@@ -70,7 +72,7 @@ def calibrate_clips(
             g,
             bits=bits,
             group_size=group_size,
-            sm_scale=d**-0.5,
+            sm_scale=d**-0.5 if sm_scale is None else float(sm_scale),
         )
         best_k.append(grid[int(np.argmin(np.asarray(ek)))])
         best_v.append(grid[int(np.argmin(np.asarray(ev)))])

@@ -74,7 +74,7 @@ def layer_errors(
     qc: QuantConfig,
 ) -> dict[str, np.ndarray]:  # metric -> f32[L]
     """The four per-layer error metrics of one transform with both K and V quantized."""
-    sm_scale = lm.cfg.head_dim**-0.5
+    sm_scale = lm.cfg.attention_scale
 
     @jax.jit
     def one(q, k, v, a_k, b_k, a_v, b_v, ck, cv, w_o_h):
