@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import pathlib
 import time
 
@@ -49,9 +50,11 @@ class DriftConfig:
     out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
 
 
-def code_text() -> str:
-    """The Python source of the stdlib `asyncio` package, files in name order."""
-    root = pathlib.Path(asyncio.__file__).parent
+def code_text(package: str = "asyncio") -> str:
+    """The Python source of a stdlib package's top-level `*.py` files, joined in name order
+    (`python -c "from eval.drift import code_text; print(code_text('email'))" > email.txt`)."""
+    mod = asyncio if package == "asyncio" else importlib.import_module(package)
+    root = pathlib.Path(mod.__file__).parent
     return "\n\n".join(p.read_text() for p in sorted(root.glob("*.py")))
 
 
