@@ -54,6 +54,18 @@ def _hf_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return {n: rng.standard_normal(shapes[n]).astype(np.float32) for n in names}
 
 
+def _add_shape_keys(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """The architecture-generic shape keys every test GGUF carries."""
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+
+
 def _write_gguf(
     path: pathlib.Path,
     cfg: ModelConfig,
@@ -66,14 +78,7 @@ def _write_gguf(
 ) -> None:
     """Writes `weights` (HF layout) as a llama.cpp-style GGUF."""
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    _add_shape_keys(w, cfg)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -221,14 +226,7 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
 def _write_gemma_gguf(path: pathlib.Path, cfg: ModelConfig, weights: dict[str, np.ndarray]):
     """Writes HF-layout Gemma weights as llama.cpp does: norms stored as 1 + w, rows unpermuted."""
     w = gguf.GGUFWriter(path, "gemma3")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    _add_shape_keys(w, cfg)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_sliding_window(cfg.sliding_window)
