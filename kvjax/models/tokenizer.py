@@ -67,6 +67,25 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _add_control_and_user_tokens(backend, tokens, types, skip_user=None) -> None:
+    """Control tokens become special (skipped by decode(skip_special=True)); user-defined ones
+    stay plain text that must still match as a whole (those flagged in `skip_user` excepted)."""
+    backend.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, ty in enumerate(types)
+            if ty == _TOKEN_TYPE_CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, ty in enumerate(types)
+            if ty == _TOKEN_TYPE_USER_DEFINED and not (skip_user is not None and skip_user[i])
+        ]
+    )
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the special-token ids a model needs.
 
@@ -216,20 +235,7 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
         # Control tokens (<|im_start|>, ...) are special: skipped by decode(skip_special=True).
         # User-defined ones are plain text that must still match as a whole.
-        backend.add_special_tokens(
-            [
-                AddedToken(tokens[i], special=True, normalized=False)
-                for i, ty in enumerate(types)
-                if ty == _TOKEN_TYPE_CONTROL
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(tokens[i], special=False, normalized=False)
-                for i, ty in enumerate(types)
-                if ty == _TOKEN_TYPE_USER_DEFINED
-            ]
-        )
+        _add_control_and_user_tokens(backend, tokens, types)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
             backend,
@@ -293,20 +299,7 @@ class Tokenizer:
             [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
             + ([decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix") else [])
         )
-        backend.add_special_tokens(
-            [
-                AddedToken(raw[i], special=True, normalized=False)
-                for i, ty in enumerate(types)
-                if ty == _TOKEN_TYPE_CONTROL
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(raw[i], special=False, normalized=False)
-                for i, ty in enumerate(types)
-                if ty == _TOKEN_TYPE_USER_DEFINED and not spaces[i]
-            ]
-        )
+        _add_control_and_user_tokens(backend, raw, types, skip_user=spaces)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         return cls(
             backend,
