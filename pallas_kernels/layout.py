@@ -18,7 +18,24 @@ Reconstruction invariant (per token, per KV head, per group of ``G`` channels)::
 
     x_hat = (codes - zero) * scale
 
-with ``scale`` and ``zero`` stored as floats (``zero`` is real-valued, not an integer).
+with ``scale`` and ``zero`` stored as floats (``zero`` is real-valued, not an integer), or, with
+``meta_dtype="uint8"``, as one byte each (see "8-bit scale and zero" below).
+
+8-bit scale and zero (``meta_dtype="uint8"``)
+---------------------------------------------
+The cheaper metadata: 16 bits per group instead of 32 (2.25 bits per element at 2 bits and
+head_dim 64, 2.125 at head_dim 128, vs 2.5 / 2.25 with float16). Both bytes decode with
+integer ops and a bitcast only, so every backend reconstructs the identical float32:
+
+* scale: an unsigned minifloat with 4 exponent and 4 mantissa bits and a fixed exponent bias
+  ``SCALE_U8_BIAS``: byte ``e << 4 | m`` is ``2**(e - SCALE_U8_BIAS) * (1 + m / 16)``, so
+  scales from ``2**-8`` to ``248`` at relative steps of 1/16 to 1/32 (encoding rounds to
+  nearest, half to even, and clamps into that range).
+* zero: fixed point, ``zero = (z - 128) / U + qmax / 2`` with ``U = ZERO_U8_UNITS[bits]`` (32,
+  16, 8 levels per code at 2, 3, 4 bits, a power of two so the decode is exact), centred on
+  the middle of the code range; quest's ``qmax / 2`` is byte 128 exactly. The quantizer widens
+  the scale of a group whose zero would fall outside ``[(0 - 128) / U, 127 / U] + qmax / 2``
+  (only groups whose values all share one sign), so the grid still covers the group.
 
 Page pools (one set per layer and per K/V; one page = ``page_size`` consecutive tokens of one
 sequence)::
@@ -50,7 +67,11 @@ import jax.numpy as jnp
 
 SUPPORTED_BITS: tuple[int, ...] = (2, 3, 4)
 PACKED_BITS: tuple[int, ...] = (2, 4)
-META_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+META_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "uint8")
+# The 8-bit metadata encoding (module docstring): scale exponent bias and zero levels per code.
+META_U8 = "uint8"
+SCALE_U8_BIAS = 8
+ZERO_U8_UNITS: dict[int, int] = {2: 32, 3: 16, 4: 8}
 FP_DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float16")
 CODES_DTYPE = jnp.uint8
 
@@ -212,6 +233,97 @@ def unpack_codes(
     return jnp.concatenate(planes, axis=-1)
 
 
+# ------------------------------------------------------------------------------------------
+# 8-bit scale and zero (meta_dtype="uint8"): encode, decode, and the representable grid
+# ------------------------------------------------------------------------------------------
+_SCALE_U8_DROP = 23 - 4  # float32 mantissa bits below the encoding's 4
+_SCALE_U8_MIN_BITS = (127 - SCALE_U8_BIAS) << 23  # 2**-bias
+_SCALE_U8_MAX_BITS = ((127 - SCALE_U8_BIAS + 15) << 23) | (15 << _SCALE_U8_DROP)
+
+
+def scale_u8_range() -> tuple[float, float]:
+    """Smallest and largest scale the 8-bit encoding represents."""
+    return 2.0**-SCALE_U8_BIAS, 2.0 ** (15 - SCALE_U8_BIAS) * (1 + 15 / 16)
+
+
+def zero_u8_range(bits: int) -> tuple[float, float]:
+    """Smallest and largest zero point the 8-bit encoding represents at ``bits``."""
+    _check_bits(bits)
+    u, mid = ZERO_U8_UNITS[bits], ((1 << bits) - 1) / 2
+    return -128 / u + mid, 127 / u + mid
+
+
+def round_scale_u8(s: jax.Array) -> jax.Array:  # f32 -> f32 on the 8-bit scale grid
+    """Nearest 8-bit scale (half to even on the dropped mantissa bits), clamped to its range;
+    non-positive and NaN inputs give the smallest scale."""
+    s = s.astype(jnp.float32)
+    b = jax.lax.bitcast_convert_type(s, jnp.int32)
+    lsb = jax.lax.shift_right_logical(b, jnp.int32(_SCALE_U8_DROP)) & 1
+    r = (b + ((1 << (_SCALE_U8_DROP - 1)) - 1) + lsb) & jnp.int32(~((1 << _SCALE_U8_DROP) - 1))
+    r = jnp.clip(r, _SCALE_U8_MIN_BITS, _SCALE_U8_MAX_BITS)
+    r = jnp.where(s > 0.0, r, _SCALE_U8_MIN_BITS)  # also NaN (compares false)
+    return jax.lax.bitcast_convert_type(r, jnp.float32)
+
+
+def round_zero_u8(z: jax.Array, bits: int) -> jax.Array:  # f32 -> f32 on the zero grid
+    """Nearest representable 8-bit zero point (ties up), clamped to `zero_u8_range`."""
+    return _decode_zero_u8(_zero_u8_code(z, bits), bits)
+
+
+def _zero_u8_code(z: jax.Array, bits: int) -> jax.Array:  # f32 -> i32 in [0, 255]
+    u, mid = ZERO_U8_UNITS[bits], ((1 << bits) - 1) / 2
+    c = jnp.floor((z.astype(jnp.float32) - jnp.float32(mid)) * jnp.float32(u) + 0.5) + 128.0
+    return jnp.clip(c, 0.0, 255.0).astype(jnp.int32)
+
+
+def _decode_zero_u8(c: jax.Array, bits: int) -> jax.Array:  # int -> f32 (exact)
+    u, mid = ZERO_U8_UNITS[bits], ((1 << bits) - 1) / 2
+    return (c.astype(jnp.int32) - 128).astype(jnp.float32) * jnp.float32(1.0 / u) + jnp.float32(mid)
+
+
+def _decode_scale_u8(c: jax.Array) -> jax.Array:  # int -> f32 (exact)
+    c = c.astype(jnp.int32)
+    e = jax.lax.shift_right_logical(c, jnp.int32(4))
+    m = c & 15
+    b = jax.lax.shift_left(e + (127 - SCALE_U8_BIAS), jnp.int32(23)) | jax.lax.shift_left(
+        m, jnp.int32(_SCALE_U8_DROP)
+    )
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def encode_meta(
+    x: jax.Array,  # f32[...] scales or zero points already on the storage grid
+    meta_dtype: object,
+    kind: str,  # "scale" or "zero"
+    bits: int,
+) -> jax.Array:  # meta_dtype[...]
+    """Stored form of scales / zero points: a cast for float dtypes, the byte for uint8."""
+    if jnp.dtype(meta_dtype) != jnp.uint8:
+        return x.astype(meta_dtype)
+    if kind == "zero":
+        return _zero_u8_code(x, bits).astype(jnp.uint8)
+    if kind != "scale":
+        raise ValueError(f"kind={kind!r} must be 'scale' or 'zero'")
+    b = jax.lax.bitcast_convert_type(round_scale_u8(x), jnp.int32)
+    e = jax.lax.shift_right_logical(b, jnp.int32(23)) - (127 - SCALE_U8_BIAS)
+    m = jax.lax.shift_right_logical(b, jnp.int32(_SCALE_U8_DROP)) & 15
+    return (jax.lax.shift_left(e, jnp.int32(4)) | m).astype(jnp.uint8)
+
+
+def decode_scale(stored: jax.Array) -> jax.Array:  # meta[...] -> f32[...]
+    """Float32 scales from their stored form (the stored dtype says which encoding)."""
+    if stored.dtype == jnp.uint8:
+        return _decode_scale_u8(stored)
+    return stored.astype(jnp.float32)
+
+
+def decode_zero(stored: jax.Array, bits: int) -> jax.Array:  # meta[...] -> f32[...]
+    """Float32 zero points from their stored form (uint8: the fixed point of ``bits``)."""
+    if stored.dtype == jnp.uint8:
+        return _decode_zero_u8(stored, bits)
+    return stored.astype(jnp.float32)
+
+
 VALUE_LAYOUTS: tuple[str, ...] = ("tokens", "dims")
 
 
@@ -246,7 +358,8 @@ class PageLayout:
       head_dim: channels per head (``d``).
       bits: low-bit code width; 2 and 4 packed, 3 unpacked (simulation only).
       group_size: channels sharing one (scale, zero); ``None`` means ``head_dim``.
-      meta_dtype: storage dtype name of scale and zero ('float16', 'bfloat16', 'float32').
+      meta_dtype: storage dtype name of scale and zero ('float16', 'bfloat16', 'float32', or
+        'uint8': the 8-bit encoding of the module docstring).
       fp_dtype: storage dtype name of full-precision pages ('bfloat16', 'float32', 'float16').
     """
 

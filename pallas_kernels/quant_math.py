@@ -304,6 +304,14 @@ def affine_scale_zero(
     (up to rounding of ``zero`` to ``meta_dtype``) with no division by zero.
     """
     q = jnp.float32(qmax(bits))
+    if jnp.dtype(meta_dtype) == jnp.uint8:
+        # 8-bit metadata (`layout`): the zero point has a bounded range, so a group whose
+        # values share one sign gets a scale wide enough to keep -lo / scale inside it.
+        z_lo, z_hi = layout.zero_u8_range(bits)
+        scale = jnp.maximum((hi - lo) / q, jnp.maximum(lo, 0.0) / jnp.float32(-z_lo))
+        scale = jnp.maximum(scale, jnp.maximum(-lo, 0.0) / jnp.float32(z_hi))
+        scale_m = layout.round_scale_u8(scale)  # never 0: the encoding's smallest is 2**-8
+        return scale_m, layout.round_zero_u8(-lo / scale_m, bits)
     mag = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
     scale = jnp.maximum((hi - lo) / q, mag / jnp.float32(_ZERO_BOUND))
     scale_m = round_to_dtype(scale, meta_dtype)
@@ -360,7 +368,8 @@ def quantize_groups(
       bits: code width (2, 3 or 4 here; the math works for any b >= 1).
       clip: oscar: kappa in (0, 1] (None = 1, no clip); quest: the clip endpoint in RMS units
         (None = alpha_b); minmax: must be None.
-      meta_dtype: storage dtype of scale and zero; they are rounded to it before coding.
+      meta_dtype: storage dtype of scale and zero; they are rounded to it before coding
+        (uint8: the 8-bit encoding of `pallas_kernels.layout`).
       quantile: 'sort' (reference) or 'rank' / 'radix' (kernels) implementation of the oscar
         quantile.
 
@@ -407,7 +416,11 @@ def quest_quantize(
     half = 1 << (bits - 1)
     g = x.shape[-1]
     rms = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) / jnp.float32(g))
-    delta = round_to_dtype(2.0 * alpha * rms / jnp.float32(2**bits - 1), jnp.dtype(meta_dtype))
+    delta = 2.0 * alpha * rms / jnp.float32(2**bits - 1)
+    if jnp.dtype(meta_dtype) == jnp.uint8:  # zero = h - 1/2 is byte 128 of the zero grid
+        delta = layout.round_scale_u8(delta)
+    else:
+        delta = round_to_dtype(delta, jnp.dtype(meta_dtype))
     safe = jnp.where(delta > 0.0, delta, jnp.float32(1.0))
     k = jnp.clip(jnp.floor(x / safe), -half, half - 1) + half
     zero = jnp.full_like(delta, half - 0.5)
@@ -447,5 +460,8 @@ def transform_quantize_tile(
         yg, method, bits, clip=clip, meta_dtype=meta_dtype, quantile=quantile
     )
     packed = layout.pack_tile(codes.reshape(t, d), bits)  # i32[T, d/n]
-    meta_dtype = jnp.dtype(meta_dtype)
-    return packed, scale.reshape(t, ng).astype(meta_dtype), zero.reshape(t, ng).astype(meta_dtype)
+    return (
+        packed,
+        layout.encode_meta(scale.reshape(t, ng), meta_dtype, "scale", bits),
+        layout.encode_meta(zero.reshape(t, ng), meta_dtype, "zero", bits),
+    )

@@ -32,7 +32,8 @@ class QuantConfig:
       group_size: channels per (scale, zero); None means the whole head_dim.
       clip: oscar: percentile kappa in (0, 1] (None = 1, no clip); quest: clip endpoint in RMS
         units (None = the Gaussian-optimal alpha_b); minmax: must be None.
-      meta_dtype: storage dtype of scale and zero ('float16', 'bfloat16', 'float32').
+      meta_dtype: storage dtype of scale and zero ('float16', 'bfloat16', 'float32', or
+        'uint8': one byte each, the 8-bit encoding of `pallas_kernels.layout`).
     """
 
     method: qm.Method = "oscar"
@@ -89,6 +90,8 @@ class QuantizedArray:
 
     ``codes`` are stored in the planar packed layout of :mod:`pallas_kernels.layout` when
     ``packed`` (bits 2 and 4), else one code per uint8 (bits 3). ``zero`` is real-valued.
+    ``scale`` and ``zero`` hold their stored form: floats, or bytes of the 8-bit encoding
+    (``layout.decode_scale`` / ``decode_zero`` give the float32 values).
 
     Attributes:
       codes: u8[..., d // codes_per_byte(bits)].
@@ -169,8 +172,8 @@ def quantize(
     flat = codes.reshape(*x.shape[:-1], d).astype(jnp.uint8)
     return QuantizedArray(
         codes=layout.pack_codes(flat, cfg.bits),
-        scale=scale[..., 0].astype(meta),
-        zero=zero[..., 0].astype(meta),
+        scale=layout.encode_meta(scale[..., 0], meta, "scale", cfg.bits),
+        zero=layout.encode_meta(zero[..., 0], meta, "zero", cfg.bits),
         bits=cfg.bits,
         group_size=g,
         d=d,
@@ -183,7 +186,9 @@ def dequantize(qa: QuantizedArray) -> jax.Array:  # f32[..., d]
     codes = qa.unpacked_codes()
     ng = qa.d // qa.group_size
     cg = codes.reshape(*codes.shape[:-1], ng, qa.group_size)  # u8[..., d/G, G]
-    out = qm.dequantize_groups(cg, qa.scale[..., None], qa.zero[..., None])
+    scale = layout.decode_scale(qa.scale)[..., None]
+    zero = layout.decode_zero(qa.zero, qa.bits)[..., None]
+    out = qm.dequantize_groups(cg, scale, zero)
     return out.reshape(*codes.shape[:-1], qa.d)
 
 

@@ -99,7 +99,8 @@ def ref_quantize_pack(
       method: 'oscar', 'quest' or 'minmax'.
       bits: 2 or 4.
       group_size: channels per (scale, zero); None = d.
-      meta_dtype: storage dtype of scale and zero.
+      meta_dtype: storage dtype of scale and zero ('uint8': the 8-bit encoding of
+        `pallas_kernels.layout`).
 
     Returns:
       ``codes u8[N, Hkv, d // n]``, ``scale, zero meta_dtype[N, Hkv, d // G]``.
@@ -119,7 +120,11 @@ def ref_quantize_pack(
         yg, method, bits, clip=c, meta_dtype=meta, quantile="sort"
     )
     packed = layout.pack_codes(codes.reshape(n_tok, hkv, d).astype(jnp.uint8), bits)
-    return packed, scale[..., 0].astype(meta), zero[..., 0].astype(meta)
+    return (
+        packed,
+        layout.encode_meta(scale[..., 0], meta, "scale", bits),
+        layout.encode_meta(zero[..., 0], meta, "zero", bits),
+    )
 
 
 @functools.partial(

@@ -162,3 +162,50 @@ def test_scatter_tokens_writes_only_addressed_slots():
     assert np.isnan(out).sum() == out.size - 3 * 2 * 64
     with pytest.raises(ValueError, match="values.shape"):
         layout.scatter_tokens(pool, values[:, :, :32], page, slot)
+
+
+# ---- 8-bit scale and zero (meta_dtype="uint8") ---------------------------------------------
+def test_u8_scale_encoding_round_trips_and_rounds_to_nearest():
+    rng = np.random.default_rng(0)
+    s = jnp.asarray(np.exp(rng.uniform(-9.0, 7.0, 4096)).astype(np.float32))
+    r = layout.round_scale_u8(s)
+    stored = layout.encode_meta(r, "uint8", "scale", 2)
+    assert stored.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(layout.decode_scale(stored)), np.asarray(r))
+    lo, hi = layout.scale_u8_range()
+    sn, rn = np.asarray(s), np.asarray(r)
+    inside = (sn >= lo) & (sn <= hi)
+    # 4 mantissa bits: nearest is within half a step, 1/32 relative at most
+    assert np.max(np.abs(rn[inside] / sn[inside] - 1)) <= 1 / 32 + 1e-7
+    assert np.all(rn[sn < lo] == lo) and np.all(rn[sn > hi] == hi)
+    # every byte decodes to a distinct, increasing scale
+    all_bytes = layout.decode_scale(jnp.arange(256, dtype=jnp.uint8))
+    assert bool(jnp.all(jnp.diff(all_bytes) > 0))
+    np.testing.assert_array_equal(
+        np.asarray(layout.encode_meta(all_bytes, "uint8", "scale", 2)), np.arange(256)
+    )
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_u8_zero_encoding(bits):
+    z = jnp.linspace(-30.0, 30.0, 2001)
+    r = layout.round_zero_u8(z, bits)
+    stored = layout.encode_meta(r, "uint8", "zero", bits)
+    np.testing.assert_array_equal(np.asarray(layout.decode_zero(stored, bits)), np.asarray(r))
+    lo, hi = layout.zero_u8_range(bits)
+    zn = np.asarray(z)
+    inside = (zn >= lo) & (zn <= hi)
+    step = 1.0 / layout.ZERO_U8_UNITS[bits]
+    assert np.max(np.abs(np.asarray(r)[inside] - zn[inside])) <= step / 2 + 1e-6
+    # quest's zero point h - 1/2 = qmax / 2 is byte 128, exactly
+    h = 1 << (bits - 1)
+    mid = layout.encode_meta(jnp.float32(h - 0.5), "uint8", "zero", bits)
+    assert int(mid) == 128
+    assert float(layout.decode_zero(mid, bits)) == h - 0.5
+
+
+def test_u8_meta_layout_bytes():
+    c = layout.PageLayout(16, 3, 64, bits=2, meta_dtype="uint8")
+    assert c.bits_per_element == 2.25
+    assert layout.PageLayout(16, 3, 128, bits=2, meta_dtype="uint8").bits_per_element == 2.125
+    assert layout.PageLayout(16, 3, 64, bits=2).bits_per_element == 2.5

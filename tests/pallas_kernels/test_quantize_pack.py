@@ -44,6 +44,10 @@ def assert_quantized_close(out, ref, *, bits, d, group_size, err_msg=""):
     codes_r, scale_r, zero_r = (np.asarray(a) for a in ref)
     for name, o, r in (("scale", scale_o, scale_r), ("zero", zero_o, zero_r)):
         assert o.shape == r.shape and o.dtype == r.dtype, name
+        if r.dtype == np.uint8:  # the 8-bit encoding: one step of the byte at most
+            step = np.abs(o.astype(np.int32) - r.astype(np.int32))
+            assert step.max(initial=0) <= 1, f"{err_msg} {name}: bytes differ by {step.max()}"
+            continue
         rf = r.astype(np.float32)
         ulp = np.maximum(np.abs(np.spacing(r).astype(np.float32)), 16 * np.spacing(np.abs(rf)))
         diff = np.abs(o.astype(np.float32) - r.astype(np.float32))
@@ -73,6 +77,9 @@ CASES = [
     (4, 64, 64, 8, "minmax", None, "t", "float32"),
     (2, 128, 32, 3, "oscar", "per_head", "t", "float16"),
     (4, 128, 128, 1, "oscar", None, "ties", "float16"),
+    # 8-bit scale/zero (layout's uint8 encoding), one case per backend by default.
+    (2, 64, 64, 3, "oscar", "per_head", "t", "uint8"),
+    (4, 128, 32, 8, "quest", None, "t", "uint8"),
 ]
 
 
@@ -125,7 +132,7 @@ class QuantizePackTest:
 
 
 class TestQuantizePackGpuInterpret(QuantizePackTest):
-    @pytest.mark.parametrize("case", _case_params(fast=(3, 4, 5)))
+    @pytest.mark.parametrize("case", _case_params(fast=(3, 4, 5, 6)))
     def test_matches_reference(self, case):
         self._check(*case)
 
@@ -171,7 +178,7 @@ class TestQuantizePackTpuInterpret(QuantizePackTest):
     def interpret():
         return pltpu.InterpretParams()
 
-    @pytest.mark.parametrize("case", _case_params(fast=(0, 1, 2)))
+    @pytest.mark.parametrize("case", _case_params(fast=(0, 1, 2, 7)))
     def test_matches_reference(self, case):
         self._check(*case, n=16)
 
