@@ -2,6 +2,7 @@
 
     python -m eval.attention_error                          # shipped SmolLM2, 2 bits, oscar
     python -m eval.attention_error --methods wush hadamard identity --windows 1 --seq-len 512
+    python -m eval.attention_error --data my_text.txt      # a user's text instead of the plays
 
 On held-out evaluation windows (the tragedies; calibration never saw them) the post-RoPE q, k, v
 of every layer are captured at full precision; then, per transform, the whole K and V sequences
@@ -12,7 +13,8 @@ o_proj), and the mean KL(p || p_hat) of the attention distributions per query.
 
 Writes <out>/attention_error.json (rows: transform, quantizer, bits, windows, layer, metric,
 value), <out>/attention_error.md (per-layer means and the module-output error per layer) and
-<out>/attention_error.png (module-output error per layer, one line per transform).
+<out>/attention_error.png (module-output error per layer, one line per transform). `--data`
+measures on a user's text (.txt, a folder of .txt, .jsonl, .parquet) instead of the plays.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 from calib import errors
 from calib.calibrate import capture_activations
 from eval import common
-from kvjax import cli
+from kvjax import assets, cli
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.models.loading import LoadedModel, load_model
 
@@ -46,6 +48,9 @@ class AttentionErrorConfig:
     quantizer: str = cli.option("oscar", "oscar, quest or minmax")
     seq_len: int = cli.option(1024, "tokens per evaluation window")
     num_windows: int = cli.option(2, "evaluation windows", flag="--windows")
+    data: str | None = cli.option(
+        None, "evaluation text (.txt, dir of .txt, .jsonl, .parquet); default: the shipped plays"
+    )
     out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
     plot: bool = cli.option(True, "write the PNG plot")
 
@@ -113,17 +118,37 @@ def layer_errors(
 
 
 def to_markdown(
-    per_method: dict[str, dict[str, np.ndarray]], cfg: AttentionErrorConfig, n_tokens: int
+    per_method: dict[str, dict[str, np.ndarray]],
+    cfg: AttentionErrorConfig,
+    n_tokens: int,
+    seconds: dict[str, float] | None = None,
+    capture_seconds: float | None = None,
 ) -> str:
     lines = [
         f"Attention error per layer at {cfg.bits} bits ({cfg.quantizer} quantizer, "
-        f"calibrated clips, whole K/V sequence quantized) on {cfg.num_windows} held-out "
-        f"evaluation windows of {cfg.seq_len} tokens ({n_tokens} tokens). Relative squared "
-        f"errors vs full precision; KL = mean KL(p || p_hat) per query and head.\n",
+        f"calibrated clips, whole K/V sequence quantized) on {cfg.num_windows} "
+        f"{'' if cfg.data else 'held-out evaluation '}windows of {cfg.seq_len} tokens"
+        f"{' of ' + cfg.data if cfg.data else ''} ({n_tokens} tokens). Relative squared "
+        f"errors vs full precision; KL = mean KL(p || p_hat) per query and head."
+        + (
+            ""
+            if capture_seconds is None
+            else f" Full-precision q/k/v capture: {capture_seconds:.0f} s; seconds: each "
+            f"transform's errors on the captured activations."
+        )
+        + "\n",
         "Mean over layers:\n",
     ]
-    rows = [[m] + [f"{float(np.mean(e[k])):.4g}" for k in METRICS] for m, e in per_method.items()]
-    lines.append(common.markdown_table(["transform", *METRICS], rows))
+    seconds = seconds or {}
+    rows = [
+        [m]
+        + [f"{float(np.mean(e[k])):.4g}" for k in METRICS]
+        + ([f"{seconds[m]:.0f}"] if m in seconds else [])
+        for m, e in per_method.items()
+    ]
+    lines.append(
+        common.markdown_table(["transform", *METRICS] + (["seconds"] if seconds else []), rows)
+    )
     lines.append("\nModule-output relative error per layer:\n")
     n_layers = len(next(iter(per_method.values()))["output_rel_err"])
     rows = [
@@ -159,12 +184,15 @@ def plot(
 
 def main(cfg: AttentionErrorConfig, lm: LoadedModel | None = None) -> dict:
     """Measures every method and writes attention_error.{json,md,png}; returns the payload."""
+    text = assets.load_text(cfg.data) if cfg.data else None  # a bad file fails before the model
     lm = lm or load_model(cfg.model)
     t0 = time.perf_counter()
-    windows = common.evaluation_windows(lm.tokenizer, cfg.seq_len, cfg.num_windows)
+    windows = common.evaluation_windows(lm.tokenizer, cfg.seq_len, cfg.num_windows, text)
     acts = capture_activations(lm, windows)
+    capture_seconds = time.perf_counter() - t0
     qc = QuantConfig(method=cfg.quantizer, bits=cfg.bits)
     per_method: dict[str, dict[str, np.ndarray]] = {}
+    seconds: dict[str, float] = {}
     rows = []
     base = dict(
         quantizer=cfg.quantizer,
@@ -174,9 +202,11 @@ def main(cfg: AttentionErrorConfig, lm: LoadedModel | None = None) -> dict:
         seq_len=cfg.seq_len,
     )
     for method in cfg.methods:
+        t1 = time.perf_counter()
         tf = common.load_method(cfg.calib_dir, method, cfg.bits, lm.cfg, lm.fingerprint)
         e = layer_errors(acts, lm, tf, qc)
         per_method[method] = e
+        seconds[method] = time.perf_counter() - t1
         for metric in METRICS:
             rows += [
                 dict(transform=method, layer=i, metric=metric, value=float(x), **base)
@@ -188,6 +218,7 @@ def main(cfg: AttentionErrorConfig, lm: LoadedModel | None = None) -> dict:
                     layer="mean",
                     metric=metric,
                     value=float(np.mean(e[metric])),
+                    seconds=seconds[method],
                     **base,
                 )
             )
@@ -200,11 +231,11 @@ def main(cfg: AttentionErrorConfig, lm: LoadedModel | None = None) -> dict:
         model=common.model_info(lm),
         environment=common.environment(),
         seconds=time.perf_counter() - t0,
+        capture_seconds=capture_seconds,
         rows=rows,
     )
-    common.write_results(
-        cfg.out, "attention_error", payload, to_markdown(per_method, cfg, int(windows.size))
-    )
+    md = to_markdown(per_method, cfg, int(windows.size), seconds, capture_seconds)
+    common.write_results(cfg.out, "attention_error", payload, md)
     if cfg.plot:
         plot(per_method, cfg, pathlib.Path(cfg.out) / "attention_error.png")
     return payload

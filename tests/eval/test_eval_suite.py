@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import jax.numpy as jnp
@@ -221,19 +222,83 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     cfg = retrieval.RetrievalConfig(
         calib_dir=str(calib_dir),
         methods=("identity", "wush"),
-        lengths=(320, 400),
-        depths=(0.2, 0.8),
+        lengths=(512, 640),
+        trials=2,
         key_digits=3,
+        needles=2,
         windows=(16, 64, 16),
-        batch_size=2,
+        batch_tokens=1280,
         out=str(tmp_path),
     )
     retrieval.main(cfg, lm)
-    rows = json.loads((tmp_path / "retrieval.json").read_text())["rows"]
-    assert len(rows) == 3 * 2
+    payload = json.loads((tmp_path / "retrieval.json").read_text())
+    rows = payload["rows"]
+    assert len(rows) == 2 * 3 * 2  # tasks x settings x lengths
+    assert {r["task"] for r in rows} == {"passkey", "niah"}
     for r in rows:
         assert {"transform", "quantizer", "bits", "windows", "length", "metric", "value"} <= set(r)
         assert 0.0 <= r["value"] <= 1.0 and r["trials"] == 2
+        assert r["value_se"] == pytest.approx(retrieval.binomial_se(r["value"], 2))
+        assert r["seconds"] >= 0 and r["seconds_per_trial"] == pytest.approx(r["seconds"] / 2)
+        fp = (r["transform"] == common.FULL_PRECISION) == (r["change_vs_fp_se"] is None)
+        assert fp
+    md = (tmp_path / "retrieval.md").read_text()
+    assert "Multi-key needle" in md and "Passkey" in md and "Seconds per trial" in md
+
+
+def test_retrieval_batching_does_not_change_the_answers(lm, calib_dir):
+    filler = np.arange(5000, dtype=np.int32) % CFG.vocab_size
+    ids, a0, _ = retrieval.make_trials(lm.tokenizer, filler, 512, (0.2, 0.5, 0.9), 3, 0, "niah", 3)
+    scorer = common.TokenScorer(lm.model)
+    tf = common.load_method(calib_dir, "wush", 2, CFG, FINGERPRINT)
+    ccfg = CacheConfig(
+        sink=16, keep=64, flush=16, page_size=16, quant=QuantConfig("oscar", 2), max_seq_len=512
+    )
+    one = retrieval.score_trials(scorer, ids, a0, ccfg, tf, 16, 1)
+    three = retrieval.score_trials(scorer, ids, a0, ccfg, tf, 16, 3)
+    np.testing.assert_array_equal(one[0], three[0])
+    np.testing.assert_allclose(one[1], three[1])
+
+
+class _OracleScorer:
+    """argmax = the true next token, except where that token is `wrong_for`."""
+
+    def __init__(self, wrong_for: int | None = None):
+        self.wrong_for = wrong_for
+
+    def one_pass(self, batch, cache_cfg, transforms, chunk, decode_from=None, return_argmax=False):
+        top = batch[:, 1:].copy()
+        top[top == self.wrong_for] += 1
+        return None, top
+
+
+def test_score_trials_is_exact_match_on_the_answer_tokens():
+    ids = np.arange(40, dtype=np.int32).reshape(2, 20)  # answers: tokens 15-19 and 35-39
+    exact, frac = retrieval.score_trials(_OracleScorer(), ids, 15, None, None, 16, 2)
+    assert exact.all() and (frac == 1).all()
+    # Row 0's first answer token (15) mispredicted: row 0 fails, with 4 of 5 tokens right.
+    for batch_size in (1, 2):
+        exact, frac = retrieval.score_trials(_OracleScorer(15), ids, 15, None, None, 16, batch_size)
+        assert exact.tolist() == [False, True] and frac.tolist() == [0.8, 1.0]
+    # The last question token (14) mispredicted does not count.
+    exact, _ = retrieval.score_trials(_OracleScorer(14), ids, 15, None, None, 16, 2)
+    assert exact.all()
+
+
+def test_retrieval_standard_errors():
+    assert retrieval.binomial_se(0.5, 20) == pytest.approx(math.sqrt(0.25 / 20))
+    assert retrieval.binomial_se(1.0, 20) == 0.0
+    a = np.array([1, 1, 0, 1], bool)
+    b = np.array([1, 0, 0, 0], bool)
+    d = np.array([0, 1, 0, 1], float)
+    assert retrieval.paired_se(a, b) == pytest.approx(d.std(ddof=1) / 2)
+    assert retrieval.paired_se(a[:1], b[:1]) is None
+    assert retrieval.default_lengths(8192) == (1024, 2048, 4096, 8192)
+    assert retrieval.default_lengths(32768)[-1] == 32768
+    assert retrieval.default_lengths(3000) == (1024, 2048, 3000)
+    cfg = retrieval.RetrievalConfig(trials=4)
+    assert cfg.trial_depths() == [0.125, 0.375, 0.625, 0.875]
+    assert retrieval.RetrievalConfig(trials=3, depths=(0.1, 0.9)).trial_depths() == [0.1, 0.9, 0.1]
 
 
 def test_drift_main_scores_every_text(lm, calib_dir, tmp_path, monkeypatch):
@@ -262,7 +327,7 @@ def test_drift_main_scores_every_text(lm, calib_dir, tmp_path, monkeypatch):
 
 def test_make_trials_places_key_and_answer(lm):
     filler = np.arange(5000, dtype=np.int32) % CFG.vocab_size
-    ids, a0, info = retrieval.make_trials(lm.tokenizer, filler, 256, (0.0, 0.5, 1.0), 1, 5, 0)
+    ids, a0, info = retrieval.make_trials(lm.tokenizer, filler, 256, (0.0, 0.5, 1.0), 5, 0)
     assert ids.shape == (3, 256)
     for row, t in zip(ids, info):
         answer = lm.tokenizer.encode(retrieval.ANSWER.format(key=t["key"]))
@@ -272,6 +337,31 @@ def test_make_trials_places_key_and_answer(lm):
         assert row[p : p + len(needle)].tolist() == needle
 
 
+def test_make_trials_niah_plants_every_needle_and_asks_for_one(lm):
+    filler = np.arange(9000, dtype=np.int32) % CFG.vocab_size
+    depths = (0.05, 0.5, 0.95)
+    ids, a0, info = retrieval.make_trials(lm.tokenizer, filler, 600, depths, 4, 3, "niah", 5)
+    assert ids.shape == (3, 600)
+    enc = lm.tokenizer.encode
+    for row, t in zip(ids, info):
+        assert row[a0:].tolist() == enc(retrieval.ANSWER.format(key=t["key"]))
+        asked = enc(retrieval.NIAH_NEEDLE.format(word=t["word"], key=t["key"]))
+        p = t["needle_position"]
+        assert row[p : p + len(asked)].tolist() == asked
+        question = enc(retrieval.NIAH_QUESTION.format(word=t["word"]))
+        assert row[a0 - len(question) : a0].tolist() == question
+        assert len(t["distractors"]) == 4 and t["word"] not in t["distractors"]
+        assert t["key"] not in t["distractors"].values()
+        text = bytes(row.tolist())  # ids < 64: bytes() gives a searchable string
+        for w, k in t["distractors"].items():
+            needle = bytes(enc(retrieval.NIAH_NEEDLE.format(word=w, key=k)))
+            assert needle in text
+    # The asked needle moves with the depth; the same seed gives the same prompts.
+    assert info[0]["needle_position"] < info[1]["needle_position"] < info[2]["needle_position"]
+    again, _, _ = retrieval.make_trials(lm.tokenizer, filler, 600, depths, 4, 3, "niah", 5)
+    np.testing.assert_array_equal(ids, again)
+
+
 def test_bad_config_values_raise():
     with pytest.raises(ValueError, match="bits=5"):
         perplexity.PerplexityConfig(bits=(5,))
@@ -279,8 +369,35 @@ def test_bad_config_values_raise():
         attention_error.AttentionErrorConfig(methods=("nope",))
     with pytest.raises(ValueError, match="key_digits=0"):
         retrieval.RetrievalConfig(key_digits=0)
+    with pytest.raises(ValueError, match="trials=0"):
+        retrieval.RetrievalConfig(trials=0)
+    with pytest.raises(ValueError, match="needles=0"):
+        retrieval.RetrievalConfig(needles=0)
     with pytest.raises(ValueError, match="too short"):
-        retrieval.make_trials(ByteTokenizer(), np.zeros(100, np.int32), 40, (0.5,), 1, 5, 0)
+        retrieval.make_trials(ByteTokenizer(), np.zeros(100, np.int32), 40, (0.5,), 5, 0)
+    with pytest.raises(ValueError, match="filler text has 100 tokens"):
+        retrieval.make_trials(ByteTokenizer(), np.zeros(100, np.int32), 400, (0.5,), 5, 0)
+    with pytest.raises(ValueError, match=r"lengths \[16384\] exceed .* 8192"):
+        retrieval.resolve_lengths(retrieval.RetrievalConfig(lengths=(4096, 16384)), 8192)
+
+
+def test_retrieval_cli_rejects_bad_input_before_loading(tmp_path, monkeypatch, capsys):
+    from kvjax import cli
+
+    def no_model(_):
+        raise AssertionError("the model loaded before the input was checked")
+
+    monkeypatch.setattr(retrieval, "load_model", no_model)
+    for argv, needle in [
+        (["--trials", "0"], "trials=0"),
+        (["--tasks", "nope"], "invalid choice: 'nope'"),
+        (["--data", str(tmp_path / "missing.txt")], "missing.txt"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.run(retrieval.main, retrieval.parse_args, argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert needle in err, err
 
 
 def test_memory_report_counts_pools_and_beats_bf16():
@@ -380,3 +497,95 @@ def test_report_writes_outside_the_tree_and_picks_calibrated_methods(tmp_path):
         report.select_methods(report.ReportConfig(calib_dir=str(calib)))
     with pytest.raises(cli.UsageError, match="does not exist; run python -m kvjax.calibrate"):
         report.select_methods(report.ReportConfig(calib_dir=str(tmp_path / "none")))
+
+
+def test_attention_error_scores_data_text(lm, calib_dir, tmp_path, monkeypatch):
+    def no_model(_):
+        raise AssertionError("the model loaded before the text was checked")
+
+    monkeypatch.setattr(attention_error, "load_model", no_model)
+    with pytest.raises(ValueError, match="does not exist"):
+        attention_error.main(attention_error.AttentionErrorConfig(data=str(tmp_path / "no.txt")))
+    (tmp_path / "t.txt").write_text("".join(chr(48 + (i * 7) % 60) for i in range(3000)))
+    seen = {}
+
+    def windows(tok, n, k, text=None):
+        seen["text"] = text
+        return np.random.default_rng(3).integers(0, CFG.vocab_size, (k, n)).astype(np.int32)
+
+    monkeypatch.setattr(common, "evaluation_windows", windows)
+    cfg = attention_error.AttentionErrorConfig(
+        calib_dir=str(calib_dir), methods=("wush",), seq_len=32, num_windows=1,
+        data=str(tmp_path / "t.txt"), out=str(tmp_path), plot=False,
+    )  # fmt: skip
+    attention_error.main(cfg, lm)
+    assert seen["text"].startswith("0")
+    md = (tmp_path / "attention_error.md").read_text()
+    assert "t.txt" in md and "| seconds |" in md
+
+
+def _fake_retrieval_rows(gaps: dict[str, list[float]], trials: int = 20) -> dict:
+    rows = []
+    for n, fp in zip((1024, 2048), (0.9, 0.8)):
+        rows.append(dict(task="niah", transform=common.FULL_PRECISION, bits=None, length=n,
+                         value=fp, change_vs_fp=0.0, trials=trials))  # fmt: skip
+        for m, g in gaps.items():
+            d = g[(1024, 2048).index(n)]
+            rows.append(dict(task="niah", transform=m, bits=2, length=n, value=fp + d,
+                             change_vs_fp=d, trials=trials))  # fmt: skip
+    return dict(rows=rows)
+
+
+def test_report_retrieval_target_takes_the_best_method_at_its_worst_length():
+    from eval import report
+
+    ret = _fake_retrieval_rows({"wush": [0.0, -0.10], "kv_pca": [-0.05, -0.05]})
+    (line,) = report._retrieval_targets(ret)
+    assert "kv_pca" in line and "**met**" in line and "-5 points" in line
+    (line,) = report._retrieval_targets(_fake_retrieval_rows({"wush": [0.0, -0.10]}))
+    assert "**missed**" in line and "-10 points" in line
+    (line,) = report._retrieval_targets(_fake_retrieval_rows({"wush": [0.0, 0.0]}, trials=3))
+    assert "**missed**" in line and "3 trials per cell" in line
+
+
+def test_report_perplexity_seconds_lists_every_row_and_full_precision():
+    from eval import report
+
+    base = dict(num_windows=16, seq_len=2048)
+    rows = [dict(transform="full_precision", quantizer=None, bits=None, windows=None,
+                 value=30.0, seconds=12.0, **base)]  # fmt: skip
+    rows += [
+        dict(
+            transform=m,
+            quantizer="oscar",
+            bits=b,
+            windows="16/128/16",
+            value=31.0,
+            seconds=10.0 + b,
+            **base,
+        )  # fmt: skip
+        for m in ("wush", "kv_pca")
+        for b in (2, 3)
+    ]
+    text = report.perplexity_seconds(dict(rows=rows))
+    assert "**30.000** in 12 s" in text
+    assert "| wush | 12 | 13 |" in text and "| kv_pca | 12 | 13 |" in text
+    assert "oscar 2b @ 16/128/16" in text
+
+
+def test_report_rejects_bad_retrieval_options_before_loading(tmp_path):
+    from eval import report
+
+    with pytest.raises(ValueError, match="nope"):
+        report.ReportConfig(retrieval_methods=("nope",))
+    with pytest.raises(ValueError, match="retrieval_trials=0"):
+        report.ReportConfig(retrieval_trials=0)
+    calib = tmp_path / "calib"
+    for m in ("hadamard", "wush"):
+        (calib / m).mkdir(parents=True)
+    cfg = report.ReportConfig(quick=True, calib_dir=str(calib), retrieval_methods=("kv_pca",))
+    with pytest.raises(ValueError, match=r"--retrieval-methods \['kv_pca'\]"):
+        report.main(cfg)
+    cfg = report.ReportConfig(quick=True, calib_dir=str(calib), data=str(tmp_path / "no.txt"))
+    with pytest.raises(ValueError, match="--data .*no.txt"):
+        report.main(cfg)
