@@ -228,17 +228,17 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
 
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
-    segment or merge), 2 bits: computing everything, keys only (no value product), or
-    nothing but the TMA ring (loads only), with 64-token pages; everything with Pallas' auto
-    barriers (a warpgroup barrier before each TMA copy); and with dimension-major value pages
-    (128 tokens)."""
+    segment or merge), 2 bits, dimension-major value pages (128 tokens): computing
+    everything, keys only (no value product), or nothing but the TMA ring (loads only), with
+    1, 2 or 4 KV heads per CTA; and everything with token-major values (64-token pages)."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(64, "tokens", st, False) for st in gm.STAGES_KINDS]
-    runs += [(64, "tokens", "full", True), (128, "dims", "full", False)]
+    runs = [(128, "dims", "full", h) for h in (1, 2, 4)]
+    runs += [(128, "dims", st, h) for st in ("keys", "loads") for h in (1, 4)]
+    runs += [(64, "tokens", "full", 1)]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -251,9 +251,11 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, auto in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, heads in [r for r in runs if r[:2] == (page_q, vl)]:
+            if cfg.kv_heads % heads:
+                continue
 
-            def call(c, qg, stage=stage, auto=auto, vl=vl):
+            def call(c, qg, stage=stage, heads=heads, vl=vl):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -262,12 +264,10 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     group=group,
                     stage=stage,
                     value_layout=vl,
-                    auto_barriers=auto,
+                    heads=heads,
                 )
 
-            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}" + (
-                "_autobarriers" if auto else ""
-            )
+            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}_heads{heads}"
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
