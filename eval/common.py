@@ -32,13 +32,14 @@ from flax import nnx
 from kvjax import assets
 from kvjax.cache.allocator import PageManager
 from kvjax.cache.attention import split_heads_by_group
+from kvjax.cache.budget import BitAllocation
 from kvjax.cache.paged import CacheConfig, LayerPolicy, PagedKVCache
 from kvjax.cache.quantizers import QuantConfig, dequantize, quantize
 from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
 from kvjax.models.loading import LoadedModel
 from kvjax.models.tokenizer import Tokenizer
-from kvjax.storage import load_transforms
+from kvjax.storage import load_allocation, load_transforms
 
 FULL_PRECISION = "full_precision"  # the row name of the unquantized baseline
 ALL_METHODS: tuple[str, ...] = (
@@ -122,6 +123,29 @@ def load_method(
     return dataclasses.replace(
         tf, clip_k=jnp.asarray(clips["k"], jnp.float32), clip_v=jnp.asarray(clips["v"], jnp.float32)
     )
+
+
+def load_allocated(
+    calib_dir: str | os.PathLike[str],
+    method: str,
+    lm_cfg: ModelConfig,
+    fingerprint: str | None,
+    allocation: BitAllocation | None = None,
+) -> tuple[KVTransforms, BitAllocation, dict]:
+    """One method's transforms with per-layer clips for a bit allocation: the one stored with
+    the checkpoint (`kvjax.calibrate --bpe-budget`) or `allocation`. Also returns the
+    checkpoint's metadata (its ``bit_errors`` let callers allocate at other budgets)."""
+    path = pathlib.Path(calib_dir) / method
+    if not path.is_dir():
+        raise ValueError(f"no calibrated transforms for method={method!r} at {str(path)!r}")
+    tf, meta = load_transforms(path, lm_cfg, fingerprint)
+    if allocation is None:
+        allocation = load_allocation(path)
+    ck, cv = allocation.clips(meta.get("clips_by_bits", {}))
+    tf = dataclasses.replace(
+        tf, clip_k=jnp.asarray(ck, jnp.float32), clip_v=jnp.asarray(cv, jnp.float32)
+    )
+    return tf, allocation, meta
 
 
 # ------------------------------------------------------------------------------------------
@@ -245,6 +269,17 @@ def _target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
 
+class _LastPositions(nnx.Module):
+    """Wraps the final norm so that only the last `n` positions reach the LM head."""
+
+    def __init__(self, norm: nnx.Module, n: int):
+        self.inner = norm
+        self.n = n
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.inner(x[:, -self.n :])
+
+
 class TokenScorer:
     """jit-compiled log p(next token) of windows under a given cache setting.
 
@@ -266,8 +301,15 @@ class TokenScorer:
             logits, cache = m(tokens, cache)
             return _target_logprobs(logits, targets), cache
 
+        def tail(params, tokens, cache, n):
+            m = nnx.merge(self.graphdef, params)
+            m.norm = _LastPositions(m.norm, n)  # the [B, T, V] logits would cost ~20% more
+            logits, _ = m(tokens, cache)
+            return jnp.argmax(logits, -1).astype(jnp.int32)
+
         self._full = jax.jit(full)
         self._step = jax.jit(step, donate_argnums=(3,))
+        self._tail = jax.jit(tail, static_argnums=(3,))
 
     def one_pass(
         self,
@@ -293,6 +335,25 @@ class TokenScorer:
             )
         lp, top = self._full(self.params, tokens, targets, cache)
         return (np.asarray(lp), np.asarray(top)) if return_argmax else np.asarray(lp)
+
+    def tail_argmax(
+        self,
+        windows: np.ndarray,  # i32[B, T]
+        cache_cfg: CacheConfig | None,
+        transforms: KVTransforms | None,
+        chunk: int,
+        decode_from: int | None,
+        n: int,
+    ) -> np.ndarray:  # i32[B, n]
+        """`one_pass(..., return_argmax=True)[1][:, -n:]`, with the LM head applied to those n
+        positions only (greedy answers of retrieval prompts)."""
+        tokens = jnp.asarray(windows[:, :-1], jnp.int32)
+        cache = None
+        if cache_cfg is not None and transforms is not None:
+            cache = WindowedQuantCache.create(
+                self.model.cfg, cache_cfg, transforms, windows.shape[0], chunk, decode_from
+            )
+        return np.asarray(self._tail(self.params, tokens, cache, n))
 
     def chunked(
         self,

@@ -283,10 +283,9 @@ def score_trials(
     exact, frac = [], []
     for i in range(0, len(ids), batch_size):
         batch = ids[i : i + batch_size]
-        _, top = scorer.one_pass(
-            batch, cache_cfg, transforms, chunk, decode_from=answer_start, return_argmax=True
-        )
-        hit = top[:, answer_start - 1 :] == batch[:, answer_start:]  # [n, answer_len]
+        n = ids.shape[1] - answer_start  # argmax at positions answer_start - 1 ... L - 2
+        top = scorer.tail_argmax(batch, cache_cfg, transforms, chunk, answer_start, n)
+        hit = top == batch[:, answer_start:]  # [batch, answer_len]
         exact.append(hit.all(axis=1))
         frac.append(hit.mean(axis=1))
     return np.concatenate(exact), np.concatenate(frac)

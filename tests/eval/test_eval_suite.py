@@ -112,6 +112,19 @@ def test_simulated_cache_matches_real_paged_cache(lm, windows, qc, decode_from):
         assert np.max(np.abs(sim - scorer.one_pass(windows, None, None, 16))) > 1e-3
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_tail_argmax_is_the_full_argmax_at_the_last_positions(lm, windows, quantized):
+    scorer = common.TokenScorer(lm.model)
+    tf = _random_transforms(5)
+    ccfg = CacheConfig(
+        sink=16, keep=32, flush=16, page_size=16, quant=QuantConfig("oscar", 2), max_seq_len=128
+    )
+    args = (ccfg, tf) if quantized else (None, None)
+    _, top = scorer.one_pass(windows, *args, 16, decode_from=90, return_argmax=True)
+    tail = scorer.tail_argmax(windows, *args, 16, 90, 7)
+    np.testing.assert_array_equal(tail, top[:, -7:])
+
+
 def test_low_bit_mask_follows_the_cache_policy():
     ccfg = CacheConfig(sink=16, keep=32, flush=16, page_size=16, quant=None)
     pos = jnp.arange(100, dtype=jnp.int32)[None]
@@ -266,10 +279,10 @@ class _OracleScorer:
     def __init__(self, wrong_for: int | None = None):
         self.wrong_for = wrong_for
 
-    def one_pass(self, batch, cache_cfg, transforms, chunk, decode_from=None, return_argmax=False):
+    def tail_argmax(self, batch, cache_cfg, transforms, chunk, decode_from, n):
         top = batch[:, 1:].copy()
         top[top == self.wrong_for] += 1
-        return None, top
+        return top[:, -n:]
 
 
 def test_score_trials_is_exact_match_on_the_answer_tokens():
