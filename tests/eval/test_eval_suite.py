@@ -602,3 +602,80 @@ def test_report_rejects_bad_retrieval_options_before_loading(tmp_path):
     cfg = report.ReportConfig(quick=True, calib_dir=str(calib), data=str(tmp_path / "no.txt"))
     with pytest.raises(ValueError, match="--data .*no.txt"):
         report.main(cfg)
+
+
+@pytest.mark.slow  # loads the shipped SmolLM2 (~10 s) and runs 4 prompts of 384 tokens
+def test_shipped_model_retrieves_needles_at_full_precision():
+    from kvjax import assets
+    from kvjax.models.loading import load_model
+
+    lm = load_model(None)
+    text = assets.evaluation_text()[:200_000]
+    filler = np.asarray(retrieval._encode_no_bos(lm.tokenizer, text), np.int32)
+    scorer = common.TokenScorer(lm.model)
+    for task in retrieval.TASKS:
+        ids, a0, info = retrieval.make_trials(lm.tokenizer, filler, 384, (0.3, 0.7), 5, 0, task, 3)
+        exact, _ = retrieval.score_trials(scorer, ids, a0, None, None, 16, 2)
+        assert exact.all(), (task, info)
+
+
+@pytest.mark.slow  # loads Gemma 3 270M (~30 s; skips without the asset)
+def test_gemma_prompts_start_with_bos_and_run():
+    from kvjax import assets
+    from kvjax.models.loading import load_model
+
+    try:
+        assets.gemma3_270m_path()
+    except assets.AssetError as e:
+        pytest.skip(f"Gemma 3 270M asset unavailable: {str(e).splitlines()[0]}")
+    lm = load_model("gemma3-270m")
+    assert lm.cfg.max_position_embeddings == 32768
+    assert retrieval.resolve_lengths(retrieval.RetrievalConfig(), 32768)[-1] == 32768
+    filler = np.asarray(
+        retrieval._encode_no_bos(lm.tokenizer, assets.evaluation_text()[:100_000]), np.int32
+    )
+    assert lm.tokenizer.bos_id not in filler.tolist()
+    for task in retrieval.TASKS:
+        ids, a0, info = retrieval.make_trials(lm.tokenizer, filler, 320, (0.5,), 5, 1, task, 3)
+        assert ids[0, 0] == lm.tokenizer.bos_id and (ids[0, 1:] != lm.tokenizer.bos_id).all()
+        assert lm.tokenizer.decode(ids[0, a0:].tolist()).strip() == info[0]["key"]
+        exact, frac = retrieval.score_trials(common.TokenScorer(lm.model), ids, a0, None, None,
+                                             16, 1)  # fmt: skip
+        assert 0.0 <= frac[0] <= 1.0
+
+
+@pytest.mark.slow  # every evaluation once on the tiny model (~1 min of compiles)
+def test_report_quick_run_writes_every_section(lm, calib_dir, tmp_path, monkeypatch):
+    from eval import report
+
+    monkeypatch.setattr(report, "load_model", lambda _: lm)
+    monkeypatch.setattr(
+        common,
+        "evaluation_windows",
+        lambda tok, n, k, text=None: (
+            np.random.default_rng(3).integers(0, CFG.vocab_size, (k, n)).astype(np.int32)
+        ),
+    )
+    monkeypatch.setattr(
+        retrieval.assets,
+        "evaluation_text",
+        lambda: "".join(chr(97 + (i * 7) % 26) for i in range(4000)),
+    )
+    cfg = report.ReportConfig(quick=True, calib_dir=str(calib_dir), out=str(tmp_path))
+    report.main(cfg)
+    text = (tmp_path / "RESULTS.md").read_text()
+    for needle in (
+        "## Perplexity",
+        "Seconds per perplexity row",
+        "full precision: perplexity",
+        "## Attention error per layer",
+        "| seconds |",
+        "## Retrieval (passkey, multi-key needle in a haystack)",
+        "Seconds per trial",
+        "### Issue target (retrieval at 2 bits)",
+        "- passkey: best 2-bit method",
+        "- niah: best 2-bit method",
+        "## Cache memory at 2 bits",
+        common.git_commit(),
+    ):
+        assert needle in text, needle
