@@ -133,6 +133,7 @@ def _backend_module(backend: str):
 # ------------------------------------------------------------------------------------------
 _LOWBIT_STATIC = (
     "bits",
+    "bits_v",
     "value_layout",
     "sm_scale",
     "num_splits",
@@ -164,6 +165,7 @@ def decode_attention(
     *,
     bits: int,
     sm_scale: float,
+    bits_v: int | None = None,
     value_layout: str = "tokens",
     num_splits: int | None = None,
     pages_per_block: int | None = None,
@@ -183,7 +185,13 @@ def decode_attention(
     Args:
       q, k_fp, ..., value_inverse: see the shape comments; unused table entries may point at
         any valid page, and unused pages may hold NaN.
-      bits: 2 or 4 (packed planar codes, `pallas_kernels.layout`).
+      bits: 2 or 4 (packed planar codes, `pallas_kernels.layout`) of the keys, and of the
+        values unless ``bits_v`` is given.
+      bits_v: the values' width when it differs from the keys' (a layer of a bit
+        allocation); ``None`` = ``bits``. Scale/zero pools may be float (``float16``,
+        ``bfloat16``, ``float32``) or ``uint8`` (the 8-bit encoding of
+        `pallas_kernels.layout`), each pool decoded by its own dtype (Triton and TPU bodies;
+        the Mosaic GPU body takes equal widths and float metadata only).
       value_layout: ``"tokens"`` (value codes ``[P_q, Hkv, page, d // n]`` like keys) or
         ``"dims"`` (``[P_q, Hkv, d, page // n]``, packed along tokens; backend
         ``"gpu_mosaic"`` with 128-token low-bit pages), see `pallas_kernels.layout`.
@@ -217,6 +225,7 @@ def decode_attention(
         value_inverse,
         bits=bits,
         sm_scale=sm_scale,
+        bits_v=bits_v,
         value_layout=value_layout,
         num_splits=num_splits,
         pages_per_block=pages_per_block,
@@ -247,6 +256,7 @@ def decode_attention_variant(
     *,
     bits: int,
     sm_scale: float,
+    bits_v: int | None = None,
     value_layout: str = "tokens",
     num_splits: int | None = None,
     pages_per_block: int | None = None,
@@ -285,13 +295,31 @@ def decode_attention_variant(
         value_inverse,
         bits=bits,
         value_layout=value_layout,
+        bits_v=bits_v,
     )
+    bits_v = bits if bits_v is None else bits_v
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if backend == "gpu_mosaic" and (
+        bits_v != bits or jnp.uint8 in (k_scale.dtype, k_zero.dtype, v_scale.dtype, v_zero.dtype)
+    ):
+        raise ValueError(
+            f"backend='gpu_mosaic' takes one width for keys and values and float scale/zero "
+            f"(got bits={bits}, bits_v={bits_v}, k_scale {k_scale.dtype}, v_scale "
+            f"{v_scale.dtype}); use backend='gpu'"
+        )
     mod = _backend_module(backend)
     if pages_per_block is None:
         pages_per_block = mod.DEFAULT_PAGES_PER_BLOCK
     _check_kernel_shapes(dims, bits, pages_per_block, backend, value_layout)
+    if bits_v != bits:
+        _check_kernel_shapes(
+            dict(dims, m=layout.packed_dim(dims["d"], bits_v)),
+            bits_v,
+            pages_per_block,
+            backend,
+            value_layout,
+        )
     gather = mod.DEFAULT_GATHER if gather is None else gather
     int_to_float = mod.DEFAULT_INT_TO_FLOAT if int_to_float is None else int_to_float
     if gather not in mod.GATHER_MODES:
@@ -316,8 +344,9 @@ def decode_attention_variant(
         head_dim=dims["d"],
         page_size=dims["page"],
         group_pad=qg.shape[2],
-        n_chunks=layout.codes_per_byte(bits),
+        n_chunks=layout.codes_per_byte(bits_v),
         bits=bits,
+        bits_v=None if bits_v == bits else bits_v,
         group_size=dims["group_size"],
         scale_log2=float(sm_scale) * LOG2E,
         pages_per_block=unit,

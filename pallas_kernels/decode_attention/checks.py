@@ -52,11 +52,17 @@ def _validate(
     *,
     bits,
     value_layout="tokens",
+    bits_v=None,
 ) -> dict[str, int]:
     dims = _validate_fp(q, k_fp, v_fp, fp_page_table, fp_len)
     b, d, hkv = dims["b"], dims["d"], dims["hkv"]
     if bits not in layout.SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} must be one of {layout.SUPPORTED_BITS}")
+    bits_v = bits if bits_v is None else bits_v
+    if bits_v not in layout.SUPPORTED_BITS:
+        raise ValueError(f"bits_v={bits_v!r} must be one of {layout.SUPPORTED_BITS}")
+    if bits_v != bits and value_layout != "tokens":
+        raise ValueError(f"bits_v={bits_v} != bits={bits} needs value_layout='tokens'")
     m = layout.packed_dim(d, bits)
     # Low-bit pages may hold more tokens than full-precision ones (the Mosaic GPU body reads
     # whole 64-token tiles); the Triton and TPU bodies need equal sizes (`_check_kernel_shapes`).
@@ -68,7 +74,7 @@ def _validate(
         raise ValueError(f"value_layout={value_layout!r} must be one of {layout.VALUE_LAYOUTS}")
     p_q, _, page_q, _ = k_codes.shape
     if value_layout == "tokens":
-        v_want = k_codes.shape
+        v_want = (*k_codes.shape[:3], layout.packed_dim(d, bits_v))
     else:
         n = layout.codes_per_byte(bits)
         if page_q % n:
@@ -84,6 +90,10 @@ def _validate(
     for name, a in (("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         if a.shape != meta:
             raise ValueError(f"{name}.shape={a.shape} must equal {k_scale.shape=}")
+    for name, a in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale),
+                    ("v_zero", v_zero)):  # fmt: skip
+        if a.dtype.name not in layout.META_DTYPES:
+            raise ValueError(f"{name}.dtype={a.dtype} must be one of {layout.META_DTYPES}")
     if q_page_table.ndim != 2 or q_page_table.shape[0] != b or q_page_table.shape[1] < 1:
         raise ValueError(f"{q_page_table.shape=} must be [B={b}, >=1]")
     if q_page_table.dtype != jnp.int32:

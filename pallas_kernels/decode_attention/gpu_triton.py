@@ -163,7 +163,9 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
     split = pl.program_id(2)
 
     q_full = q_ref[...]  # f32[Gp, d]
-    q_chunks = [q_ref[:, pl.ds(i * w, w)] for i in range(n)]
+    # Query chunks meet the key code planes; the output (n chunks of w) follows the values'.
+    nk, wk = cfg.key_chunks, cfg.key_chunk
+    q_chunks = [q_ref[:, pl.ds(i * wk, wk)] for i in range(nk)]
 
     m_i = jnp.full((gp,), da.NEG_INF, jnp.float32)
     l_i = jnp.zeros((gp,), jnp.float32)
@@ -204,17 +206,26 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
     # ---- low-bit pages ----------------------------------------------------------------------
     if has_lowbit:
         ng = cfg.num_groups
-        pg = cfg.plane_group
+        pg, kpg = cfg.plane_group, cfg.key_plane_group  # value planes', key planes' groups
+        bits_k, bits_v = cfg.bits, cfg.value_bits
         q_len = qlen_ref[0]
         q_pps = qtab_ref.shape[0]
         q_start = split * q_pps * page
-        mw = cfg.packed_width
+        mw, mwv = cfg.packed_width, cfg.value_packed_width
         # Logits in base-2 units straight out of the dots: scale_log2 rides on the query.
         q_chunks16 = [(c * cfg.scale_log2).astype(da.CODE_DOT_DTYPE) for c in q_chunks]
-        q_sums = da.tile_group_sums(q_chunks16, pg, ng)
+        q_sums = da.tile_group_sums(q_chunks16, kpg, ng)
         rows = jnp.arange(t, dtype=jnp.int32)
         row_page, row_slot = rows // page, rows % page  # block-relative page, slot in page
         cols = jnp.arange(mw, dtype=jnp.int32)
+        cols_v = cols if mwv == mw else jnp.arange(mwv, dtype=jnp.int32)
+        # Stored scale/zero to float32: a cast, or the 8-bit decode (`layout`), per pool.
+        decoders = (
+            layout.decode_scale,
+            lambda x: layout.decode_zero(x, bits_k),
+            layout.decode_scale,
+            lambda x: layout.decode_zero(x, bits_v),
+        )
 
         def phys_of(j):  # i32[T] physical page of each row of block j
             return qtab_ref[j * ppb + row_page]
@@ -223,7 +234,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             """Raw tiles of a block: packed K [mw, T] (gathered transposed, per row), packed
             V [T, mw], and per-group [1, T] scale/zero rows (unmasked)."""
             kp = kc_ref[phys[None, :], row_slot[None, :], cols[:, None]]  # u8[mw, T]
-            vp = vc_ref[phys[:, None], row_slot[:, None], cols[None, :]]  # u8[T, mw]
+            vp = vc_ref[phys[:, None], row_slot[:, None], cols_v[None, :]]  # u8[T, mwv]
             metas = tuple(
                 tuple(ref[phys, row_slot, g].reshape(1, t) for g in range(ng))
                 for ref in (ks_ref, kz_ref, vs_ref, vz_ref)
@@ -236,11 +247,12 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             vrow, _ = _valid(q_start + j * t, q_len, t)
             # Masked with where so NaN in unused slots' scales/zeros cannot leak.
             ks, kz, vs, vz = (
-                [jnp.where(vrow, x.astype(jnp.float32), 0.0) for x in rows_of] for rows_of in metas
+                [jnp.where(vrow, dec(x), 0.0) for x in rows_of]
+                for dec, rows_of in zip(decoders, metas)
             )
-            planes = unpack_planes(kp, cfg.bits, cfg.int_to_float, interpret)
+            planes = unpack_planes(kp, bits_k, cfg.int_to_float, interpret)
             logits = da.tile_lowbit_logits(
-                q_chunks16, q_sums, planes, ks, kz, pg, keys_transposed=True
+                q_chunks16, q_sums, planes, ks, kz, kpg, keys_transposed=True
             )  # base-2 units: the query chunks carry scale_log2
             # Invalid slots get a finite -inf, so exp2 makes them exactly 0 without a second
             # select (m_new is finite: every visited block holds a valid token).
@@ -248,7 +260,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
             alpha = jnp.exp2(m_prev - m_new)
             p = jnp.exp2(logits - m_new[:, None])
-            planes = unpack_planes(vp, cfg.bits, cfg.int_to_float, interpret)
+            planes = unpack_planes(vp, bits_v, cfg.int_to_float, interpret)
             w16 = [(p * vs[g]).astype(da.CODE_DOT_DTYPE) for g in range(ng)]
             # Rounded weights in the correction, so it matches what the dot summed exactly.
             wz = [w16[g].astype(jnp.float32) * vz[g] for g in range(ng)]
@@ -339,6 +351,8 @@ def paged_decode(
         _kernel, cfg=cfg, has_lowbit=lowbit_set is not None, interpret=interpret
     )
     name = "paged_decode_" + ("bf16" if lowbit_set is None else f"int{cfg.bits}")
+    if lowbit_set is not None and cfg.value_bits != cfg.bits:
+        name += f"_v{cfg.value_bits}"
     return pl.pallas_call(
         kernel,
         grid=(b, hkv, s),

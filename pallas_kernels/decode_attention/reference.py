@@ -31,8 +31,8 @@ def _dequantize_pages(
     head_dim: int,
 ) -> jax.Array:  # f32[B, Hkv, n*page, d]
     c = layout.unpack_codes(_gather_pages(codes, table), bits, head_dim).astype(jnp.float32)
-    s = _gather_pages(scale, table).astype(jnp.float32)  # [B, Hkv, S, ng]
-    z = _gather_pages(zero, table).astype(jnp.float32)
+    s = layout.decode_scale(_gather_pages(scale, table))  # f32[B, Hkv, S, ng]
+    z = layout.decode_zero(_gather_pages(zero, table), bits)
     ng = s.shape[-1]
     cg = c.reshape(*c.shape[:-1], ng, head_dim // ng)
     return ((cg - z[..., None]) * s[..., None]).reshape(c.shape)
@@ -104,6 +104,7 @@ def ref_decode_attention(
     *,
     bits: int,
     sm_scale: float,
+    bits_v: int | None = None,
     value_layout: str = "tokens",
     num_splits: int | None = None,
     pages_per_block: int | None = None,
@@ -134,8 +135,10 @@ def ref_decode_attention(
         value_inverse,
         bits=bits,
         value_layout=value_layout,
+        bits_v=bits_v,
     )
     d = dims["d"]
+    bits_v = bits if bits_v is None else bits_v
     if value_layout == "dims":  # to the token-major packing of keys (same codes)
         v_codes = layout.pack_codes(
             layout.unpack_value_page_dims_major(v_codes, bits, dims["page_q"]), bits
@@ -144,7 +147,7 @@ def ref_decode_attention(
     kf = _gather_pages(k_fp, fp_page_table).astype(jnp.float32)
     vf = _gather_pages(v_fp, fp_page_table).astype(jnp.float32)
     kq = _dequantize_pages(k_codes, k_scale, k_zero, q_page_table, bits, d)
-    vq = _dequantize_pages(v_codes, v_scale, v_zero, q_page_table, bits, d)
+    vq = _dequantize_pages(v_codes, v_scale, v_zero, q_page_table, bits_v, d)
     o = _ref_attend(
         qf,
         [

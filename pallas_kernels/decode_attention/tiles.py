@@ -42,10 +42,10 @@ class DecodeConfig:
       head_dim: ``d``.
       page_size: tokens per page.
       group_pad: query heads per KV head after padding (tensor-core M dimension).
-      n_chunks: channel chunks the output is accumulated in (``codes_per_byte`` for the
-        mixed kernel, 1 for the BF16 baseline); chunk ``i`` covers channels
-        ``[i*d/n, (i+1)*d/n)``, matching planar code plane ``i``.
-      bits: low-bit code width, or ``None`` for the BF16-only baseline (no low-bit set).
+      n_chunks: channel chunks the output is accumulated in (``codes_per_byte`` of the
+        value width for the mixed kernel, 1 for the BF16 baseline); chunk ``i`` covers
+        channels ``[i*d/n, (i+1)*d/n)``, matching planar value code plane ``i``.
+      bits: low-bit key code width, or ``None`` for the BF16-only baseline (no low-bit set).
       group_size: channels sharing one scale/zero (``None`` for the baseline).
       scale_log2: ``sm_scale * log2(e)``; logits are kept in base-2 units so the softmax uses
         ``exp2``.
@@ -72,6 +72,9 @@ class DecodeConfig:
       group: real query heads per KV head (``<= group_pad``); the GPU body writes only these
         rows of its split partials (a quarter of the bytes at GQA 4), ``None`` = all.
       value_layout: ``"tokens"`` or ``"dims"`` (`pallas_kernels.layout.VALUE_LAYOUTS`).
+      bits_v: value code width when it differs from the keys' (a layer of a bit allocation
+        with its own K and V widths); ``None`` = ``bits``. The query is split into the key
+        planes' chunks (`key_chunks`), the output into the value planes' (`n_chunks`).
     """
 
     head_dim: int
@@ -89,6 +92,34 @@ class DecodeConfig:
     row_sums: str = "per_step"
     group: int | None = None
     value_layout: str = "tokens"
+    bits_v: int | None = None
+
+    @property
+    def value_bits(self) -> int | None:
+        """Value code width (``bits`` unless ``bits_v`` says otherwise)."""
+        return self.bits if self.bits_v is None else self.bits_v
+
+    @property
+    def key_chunks(self) -> int:
+        """Query chunks that meet the key code planes (``codes_per_byte(bits)``)."""
+        return self.n_chunks if self.bits is None else layout.codes_per_byte(self.bits)
+
+    @property
+    def key_chunk(self) -> int:
+        """Channels per key code plane."""
+        return self.head_dim // self.key_chunks
+
+    @property
+    def key_plane_group(self) -> tuple[int, ...]:
+        """Scale/zero group of each key code plane."""
+        g = self.head_dim if self.group_size is None else self.group_size
+        return tuple((i * self.key_chunk) // g for i in range(self.key_chunks))
+
+    @property
+    def value_packed_width(self) -> int:
+        """Packed bytes per token row of the low-bit values."""
+        assert self.value_bits is not None
+        return self.head_dim // layout.codes_per_byte(self.value_bits)
 
     @property
     def chunk(self) -> int:
@@ -107,7 +138,7 @@ class DecodeConfig:
 
     @property
     def plane_group(self) -> tuple[int, ...]:
-        """Scale/zero group of each code plane (every plane lies inside one group)."""
+        """Scale/zero group of each (value) code plane (every plane lies inside one group)."""
         g = self.head_dim if self.group_size is None else self.group_size
         return tuple((i * self.chunk) // g for i in range(self.n_chunks))
 

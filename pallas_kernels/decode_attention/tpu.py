@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import layout
 from pallas_kernels.decode_attention import tiles as da
 
 # A query group is padded to whole sublanes (8 rows of f32).
@@ -66,12 +67,14 @@ def _kernel(
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
+    nk, wk = cfg.key_chunks, cfg.key_chunk  # query chunks meet the key code planes
+
     def query_chunks():
         q = q_ref[...]
         if qt_ref is None:
-            return q, [q_ref[:, pl.ds(i * w, w)] for i in range(n)]
+            return q, [q_ref[:, pl.ds(i * wk, wk)] for i in range(nk)]
         q_full = da._dot_nn(q, qt_ref[...], precision=jax.lax.Precision.HIGHEST)
-        cols = [qt_ref[:, pl.ds(i * w, w)] for i in range(n)]
+        cols = [qt_ref[:, pl.ds(i * wk, wk)] for i in range(nk)]
         return q_full, da.tile_query_chunks(q, cols, None)
 
     def valid(tok0, length):
@@ -108,22 +111,27 @@ def _kernel(
         @pl.when((j >= fp_pps) & (q_tok0 < q_len))
         def _lowbit_page():
             _, q_chunks = query_chunks()
-            ng, pg = cfg.num_groups, cfg.plane_group
+            ng, pg, kpg = cfg.num_groups, cfg.plane_group, cfg.key_plane_group
             q16 = [c.astype(da.CODE_DOT_DTYPE) for c in q_chunks]
-            q_sums = da.tile_group_sums(q16, pg, ng)
+            q_sums = da.tile_group_sums(q16, kpg, ng)
             vrow, _ = valid(q_tok0, q_len)
 
-            def meta(ref):
-                x = ref[...].astype(jnp.float32).T  # [ng, page]
+            def meta(ref, decode):
+                x = decode(ref[...]).T  # f32[ng, page]: a cast, or the 8-bit decode (`layout`)
                 return [jnp.where(vrow, x[g : g + 1, :], 0.0) for g in range(ng)]
 
+            def zeros_of(bits):
+                return lambda x: layout.decode_zero(x, bits)
+
             kplanes = da.unpack_tile_planes(kc_ref[...], cfg.bits, cfg.int_to_float)
-            logits = da.tile_lowbit_logits(q16, q_sums, kplanes, meta(ks_ref), meta(kz_ref), pg)
+            ks, kz = meta(ks_ref, layout.decode_scale), meta(kz_ref, zeros_of(cfg.bits))
+            logits = da.tile_lowbit_logits(q16, q_sums, kplanes, ks, kz, kpg)
             p, m_new, alpha, l_new = da.tile_softmax_step(
                 logits * cfg.scale_log2, vrow, m_sc[...], l_sc[...]
             )
-            vplanes = da.unpack_tile_planes(vc_ref[...], cfg.bits, cfg.int_to_float)
-            ups = da.tile_lowbit_values(p, vplanes, meta(vs_ref), meta(vz_ref), pg)
+            vplanes = da.unpack_tile_planes(vc_ref[...], cfg.value_bits, cfg.int_to_float)
+            vs, vz = meta(vs_ref, layout.decode_scale), meta(vz_ref, zeros_of(cfg.value_bits))
+            ups = da.tile_lowbit_values(p, vplanes, vs, vz, pg)
             update(p, alpha, ups, m_new, l_new)
 
     @pl.when(j == pl.num_programs(3) - 1)

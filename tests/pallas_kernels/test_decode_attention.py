@@ -39,6 +39,8 @@ class Case:
     pages_per_block: int = 2
     page_q: int | None = None  # low-bit page size (None: = page); q_lens multiples of 16
     value_layout: str = "tokens"  # "dims": value codes packed along tokens (layout.py)
+    bits_v: int | None = None  # value width when it differs from the keys' (bit allocation)
+    meta_dtype: str = "float16"  # "uint8": the 8-bit scale/zero encoding (layout.py)
 
 
 def _pages_for(n: int, page: int) -> int:
@@ -80,14 +82,21 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
     v_fp = np.where(unused, np.nan, v_fp).astype(np.float32)
 
     pq_size = page if c.page_q is None else c.page_q
+    bits_v = c.bits if c.bits_v is None else c.bits_v
+    n_v = layout.codes_per_byte(bits_v)
     k_codes = rng.integers(0, 256, (p_q, hkv, pq_size, d // n), dtype=np.uint8)
-    v_codes = rng.integers(0, 256, (p_q, hkv, pq_size, d // n), dtype=np.uint8)
-    hi = 2**c.bits - 1
+    v_codes = rng.integers(0, 256, (p_q, hkv, pq_size, d // n_v), dtype=np.uint8)
     meta = (p_q, hkv, pq_size, ng)
-    k_scale = rng.uniform(0.2, 1.0, meta).astype(np.float16)
-    v_scale = rng.uniform(0.2, 1.0, meta).astype(np.float16)
-    k_zero = rng.uniform(0, hi, meta).astype(np.float16)
-    v_zero = rng.uniform(0, hi, meta).astype(np.float16)
+
+    def meta_pool(kind, bits):
+        hi = 2**bits - 1
+        x = rng.uniform(0.2, 1.0, meta) if kind == "scale" else rng.uniform(0, hi, meta)
+        if c.meta_dtype != "uint8":
+            return x.astype(c.meta_dtype)
+        return np.array(layout.encode_meta(jnp.asarray(x, jnp.float32), "uint8", kind, bits))
+
+    k_scale, v_scale = meta_pool("scale", c.bits), meta_pool("scale", bits_v)
+    k_zero, v_zero = meta_pool("zero", c.bits), meta_pool("zero", bits_v)
     q_table = np.full((c.batch, max_q), poison_q, np.int32)
     used_q = np.zeros((p_q, pq_size), bool)  # token slots holding a cached key
     nxt = 0
@@ -96,15 +105,17 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
             q_table[b, j] = perm_q[nxt]
             used_q[perm_q[nxt], : min(pq_size, ln - j * pq_size)] = True
             nxt += 1
-    for a in (k_scale, v_scale, k_zero, v_zero):
-        a[~np.broadcast_to(used_q[:, None, :, None], a.shape)] = np.nan
+    for a in (k_scale, v_scale, k_zero, v_zero):  # uint8 has no NaN: the largest byte
+        a[~np.broadcast_to(used_q[:, None, :, None], a.shape)] = (
+            255 if a.dtype == np.uint8 else np.nan
+        )
 
     hq = hkv * c.group
     q = rng.standard_normal((c.batch, hq, d)).astype(np.float32)
     v_codes_arr = jnp.asarray(v_codes)
     if c.value_layout == "dims":
         v_codes_arr = layout.pack_value_page_dims_major(
-            layout.unpack_codes(v_codes_arr, c.bits, d), c.bits
+            layout.unpack_codes(v_codes_arr, bits_v, d), bits_v
         )
     out = dict(
         q=jnp.asarray(q),
@@ -175,6 +186,10 @@ FAST_CASES = [
         Case(group=8, num_splits=None, pages_per_block=4, fp_lens=(17, 64), q_lens=(128, 64)),
         marks=_SLOW,
     ),
+    # A bit allocation's layers: keys and values of different widths; 8-bit scale/zero.
+    Case(bits=2, bits_v=4, fp_lens=(19, 40), q_lens=(64, 32)),
+    Case(bits=4, bits_v=2, head_dim=128, group_size=64, meta_dtype="uint8", q_lens=(48, 16)),
+    Case(bits=2, meta_dtype="uint8", group=3, fp_lens=(5, 33), q_lens=(96, 16)),
 ]
 
 SLOW_CASES = [
@@ -196,7 +211,38 @@ SLOW_CASES = [
     for bits in (2, 4)
     for s in (1, 3)
     if not (d == 64 and bits == 2 and page == 32 and s == 3)  # keep the sweep near 90 cases
+] + [
+    # Bit-allocation layers (key and value widths differ) and 8-bit scale/zero.
+    Case(
+        kv_heads=hkv,
+        group=g,
+        head_dim=d,
+        bits=bits,
+        bits_v=bits_v,
+        meta_dtype=meta,
+        num_splits=3,
+        fp_lens=(19, 32),
+        q_lens=(64, 0),
+    )
+    for hkv, g in ((1, 4), (2, 8))
+    for d in (64, 128)
+    for bits, bits_v, meta in ((2, 4, "float16"), (4, 2, "uint8"), (2, 2, "uint8"))
 ]
+
+
+def test_mosaic_refuses_mixed_widths_and_u8_metadata():
+    for c in (Case(bits=2, bits_v=4), Case(meta_dtype="uint8")):
+        x = make_inputs(c)
+        with pytest.raises(ValueError, match="gpu_mosaic"):
+            da.decode_attention(
+                **x, bits=2, bits_v=c.bits_v, sm_scale=0.125, backend="gpu_mosaic", interpret=True
+            )
+
+
+def test_value_codes_must_match_bits_v():
+    x = make_inputs(Case(bits=2, bits_v=4))
+    with pytest.raises(ValueError, match="v_codes"):
+        da.ref_decode_attention(**x, bits=2, sm_scale=0.125)
 
 
 def _has_gpu() -> bool:
@@ -218,7 +264,7 @@ class TestDecodeAttention:
 
     def _run(self, c: Case, seed: int = 0):
         x = make_inputs(c, seed)
-        kw = dict(bits=c.bits, sm_scale=c.head_dim**-0.5)
+        kw = dict(bits=c.bits, sm_scale=c.head_dim**-0.5, bits_v=c.bits_v)
         ref = da.ref_decode_attention(**x, **kw)
         out = da.decode_attention(
             **x,
