@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import pathlib
 import sys
@@ -34,18 +35,20 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from calib import allocation, errors
 from calib import clip as clip_lib
-from calib import errors
 from calib.data import check_text, split_holdout, token_windows
 from calib.statistics import finalize_stats, init_stats, required_stats, update_stats
 from calib.transforms import _HADAMARD_METHODS, METHODS, TransformPair, build_transforms
 from kvjax import assets, cli
+from kvjax.cache.budget import BitAllocation
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
 from kvjax.models.loading import LoadedModel, load_model
 from kvjax.models.model import capture_observed
 from kvjax.serving import drift, sharding
 from kvjax.storage import KVJAX_VERSION, save_transforms
+from pallas_kernels import layout
 
 BASELINES = ("identity", "hadamard")  # always scored in the closing table
 HOLDOUT_TOKENS = 512
@@ -89,6 +92,24 @@ class CalibrateConfig:
     fresh: bool = cli.option(
         False, "start the statistics over even if <out>/stats.npz holds another run's"
     )
+    bpe_budget: float | None = cli.option(
+        None,
+        "choose per-(layer, K/V) widths and scale/zero encodings under this average bits per "
+        "element (codes + scale/zero + full-precision windows at --bpe-context), stored with "
+        "the transforms",
+    )
+    bpe_context: int = cli.option(
+        0, "context length the budget counts the full-precision windows at (0: low-bit only)"
+    )
+    bpe_windows: tuple[int, int, int] = cli.option(
+        (64, 256, 16), "sink/keep/flush of that accounting", metavar=("SINK", "KEEP", "FLUSH")
+    )
+    alloc_widths: tuple[int, ...] = cli.option(
+        allocation.DEFAULT_WIDTHS, "code widths the allocation chooses from"
+    )
+    alloc_meta: tuple[str, ...] = cli.option(
+        allocation.DEFAULT_META, "scale/zero encodings it chooses from (float16, uint8, ...)"
+    )
 
 
 MIN_SEQ_LEN = 64
@@ -123,6 +144,26 @@ def validate(cfg: CalibrateConfig) -> None:
         cfg.batch_size % cfg.data_parallel == 0,
         f"--batch-size {cfg.batch_size} must be a multiple of --data-parallel {cfg.data_parallel}",
     )
+    if cfg.bpe_budget is not None:
+        b = cfg.bpe_budget
+        cli.check(
+            math.isfinite(b) and b > 0, f"--bpe-budget {b}: must be a positive bits per element"
+        )
+        cli.check(cfg.bpe_context >= 0, f"--bpe-context {cfg.bpe_context}: must be >= 0")
+        sink, keep, flush = cfg.bpe_windows
+        cli.check(
+            sink >= 0 and keep >= 1 and flush >= 1, f"--bpe-windows {cfg.bpe_windows}: invalid"
+        )
+        for w in cfg.alloc_widths:
+            cli.check(w in (2, 3, 4), f"--alloc-widths {w}: supported 2, 3, 4")
+        for m in cfg.alloc_meta:
+            cli.check(
+                m in layout.META_DTYPES,
+                f"--alloc-meta {m!r}: one of {', '.join(layout.META_DTYPES)}",
+            )
+        cli.check(
+            cfg.clips == "calibrated", "--bpe-budget needs --clips calibrated (clips per width)"
+        )
     cli.check_paths_exist(data=cfg.data, model=cfg.model)
     cli.check(not pathlib.Path(cfg.out).is_file(), f"--out {cfg.out!r} is a file, not a directory")
 
@@ -347,6 +388,66 @@ def output_errors(acts, pairs, clips, w_o, bits, group_size=None, sm_scale=None)
     )
 
 
+@functools.partial(
+    jax.jit, static_argnames=("which", "bits", "meta_dtype", "group_size", "sm_scale")
+)
+def _kv_output_error(q, k, v, a, b, c, w_o, *, which, bits, meta_dtype, group_size, sm_scale):
+    qc = QuantConfig(method="oscar", bits=bits, group_size=group_size, meta_dtype=meta_dtype)
+    d = k.shape[-1]
+    k_hat = errors.roundtrip(k, a, b, qc, c) if which == "k" else k
+    v_hat = errors.roundtrip(v, a, b, qc, c) if which == "v" else v
+    e = errors.attention_errors(
+        q, k, v, k_hat, v_hat, errors.w_o_heads(w_o, k.shape[2], d), sm_scale
+    )
+    return e["out_err"] / e["out_ref"]
+
+
+def kv_output_errors(
+    acts, pairs, clips, w_o, bits, meta_dtype="float16", group_size=None, sm_scale=None
+) -> np.ndarray:  # f64[L, 2]
+    """Relative module-output error per layer with only the keys (column 0) or only the values
+    (column 1) quantized (oscar quantizer, the clips calibrated for `bits`): the per-(layer,
+    K/V) costs a bit allocation trades (`calib.allocation`)."""
+    sm = float(acts[0][1].shape[-1] ** -0.5 if sm_scale is None else sm_scale)
+    f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    out = np.zeros((len(acts), 2))
+    for i, ((q, k, v), pr, ck, cv, wo) in enumerate(zip(acts, pairs, *clips, w_o)):
+        for j, (which, a, b, c) in enumerate(
+            (("k", pr.A_K, pr.B_K, ck), ("v", pr.A_V, pr.B_V, cv))
+        ):
+            out[i, j] = float(
+                _kv_output_error(
+                    f(q), f(k), f(v), f(a), f(b), f(c), f(wo), which=which, bits=bits,
+                    meta_dtype=meta_dtype, group_size=group_size, sm_scale=sm,
+                )
+            )  # fmt: skip
+    return out
+
+
+def bit_errors(acts, pairs, clips_by_bits, w_o, cfg: CalibrateConfig, sm_scale) -> dict:
+    """Format name -> f64[L, 2] (`kv_output_errors`) for every allocation candidate."""
+    return {
+        f.name: kv_output_errors(
+            acts, pairs, clips_by_bits[f.bits], w_o, f.bits, f.meta_dtype, cfg.group_size, sm_scale
+        )
+        for f in allocation.candidate_formats(cfg.alloc_widths, cfg.alloc_meta)
+    }
+
+
+def allocate_bits(cfg: CalibrateConfig, errs: dict, head_dim: int) -> BitAllocation:
+    sink, keep, flush = cfg.bpe_windows
+    return allocation.allocate(
+        errs,
+        cfg.bpe_budget,
+        head_dim,
+        cfg.group_size,
+        context=cfg.bpe_context or None,
+        sink=sink,
+        keep=keep,
+        flush=flush,
+    )
+
+
 def main(cfg: CalibrateConfig) -> dict:
     validate(cfg)
     methods = tuple(dict.fromkeys(cfg.methods))
@@ -370,6 +471,21 @@ def main(cfg: CalibrateConfig) -> dict:
         cfg.group_size is None or d % cfg.group_size == 0,
         f"--group-size {cfg.group_size} must divide the model's head_dim={d}",
     )
+    if cfg.bpe_budget is not None:  # feasibility needs head_dim: before the statistics pass
+        sink, keep, flush = cfg.bpe_windows
+        try:
+            allocation.check_budget(
+                cfg.bpe_budget,
+                allocation.candidate_formats(cfg.alloc_widths, cfg.alloc_meta),
+                d,
+                cfg.group_size,
+                context=cfg.bpe_context or None,
+                sink=sink,
+                keep=keep,
+                flush=flush,
+            )
+        except ValueError as e:
+            cli.fail(str(e))
     if d & (d - 1):
         bad = [m for m in methods if m in _HADAMARD_METHODS]
         if bad:
@@ -442,7 +558,8 @@ def main(cfg: CalibrateConfig) -> dict:
         pairs = build_method(method, final, lm, cfg)
         sm = lm.cfg.attention_scale  # the model's softmax scale (query_pre_attn_scalar, Gemma)
         clips_by_bits = {}
-        for b in sorted(set(cfg.bits) | {table_bits}):
+        widths = set(cfg.alloc_widths) if cfg.bpe_budget is not None else set()
+        for b in sorted(set(cfg.bits) | {table_bits} | widths):
             if cfg.clips == "paper":
                 ck = np.full(lm.cfg.num_layers, clip_lib.PAPER_CLIPS[0], np.float32)
                 cv = np.full(lm.cfg.num_layers, clip_lib.PAPER_CLIPS[1], np.float32)
@@ -460,6 +577,22 @@ def main(cfg: CalibrateConfig) -> dict:
                 str(b): dict(k=c[0].tolist(), v=c[1].tolist()) for b, c in clips_by_bits.items()
             },
         )
+        alloc = None
+        if method in methods and cfg.bpe_budget is not None:
+            _phase(f"bit allocation: {method} at {cfg.bpe_budget} bits per element")
+            errs = bit_errors(acts, pairs, clips_by_bits, w_o, cfg, sm)
+            alloc = allocate_bits(cfg, errs, d)
+            summary["methods"][method]["allocation"] = alloc.to_dict()
+            summary["methods"][method]["bit_errors"] = {n: e.tolist() for n, e in errs.items()}
+            total = sum(
+                errs[f.name][i][j] for i, p in enumerate(alloc.layers) for j, f in enumerate(p)
+            )
+            where = f"{cfg.bpe_context} tokens" if cfg.bpe_context else "low-bit pages"
+            print(
+                f"{method}: allocation at {cfg.bpe_budget} BPE ({where}): {alloc.counts()}, "
+                f"{alloc.bpe(d, cfg.group_size):.4f} BPE, summed error {total:.4f}",
+                file=sys.stderr,
+            )
         if method in methods:
             primary = cfg.bits[0]
             tf = to_kv_transforms(pairs, *clips_by_bits[primary])
@@ -481,6 +614,9 @@ def main(cfg: CalibrateConfig) -> dict:
                 or f"shipped Shakespeare calibration plays ({', '.join(assets.CALIBRATION_PLAYS)})",
                 kvjax_version=KVJAX_VERSION,
             )
+            if alloc is not None:
+                meta["allocation"] = alloc.to_dict()
+                meta["bit_errors"] = summary["methods"][method]["bit_errors"]
             ref = drift.reference_from_grams(
                 [f["KK"] for f in final], [f["VV"] for f in final], tf.a_k, tf.a_v
             )

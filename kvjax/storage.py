@@ -8,6 +8,10 @@ A transforms checkpoint is a directory:
     extras.npz      optional named arrays kept with the transforms (the drift check's
                     calibration moments, `kvjax.serving.drift`), digests in the metadata
 
+metadata.json may also hold a bit allocation (``allocation``: per-layer key/value formats and
+the budget's accounting, `kvjax.cache.budget.BitAllocation`) and the per-(layer, K/V) errors it
+was chosen from (``bit_errors``), written by ``python -m kvjax.calibrate --bpe-budget``.
+
 It is written to a temporary sibling and renamed into place, so an interrupted save never leaves
 a directory that looks valid. `load_transforms` checks the format version, the digests (a
 truncated or corrupted array fails), the shapes, and the model fingerprint.
@@ -26,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache.budget import BitAllocation
 from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
 from kvjax.serving.drift import DriftReference
@@ -140,6 +145,19 @@ def load_drift_reference(path: str | os.PathLike[str]) -> DriftReference:
             f"python -m kvjax.calibrate)"
         )
     return DriftReference.from_arrays(extras)
+
+
+def load_allocation(path: str | os.PathLike[str]) -> BitAllocation:
+    """The bit allocation stored with a transforms checkpoint (`kvjax.calibrate
+    --bpe-budget`): per-layer (key, value) formats, `CacheConfig.layer_quant` via
+    `BitAllocation.layer_quant`, per-layer clips via `BitAllocation.clips`."""
+    meta = read_metadata(path)
+    if "allocation" not in meta:
+        raise TransformsCheckpointError(
+            f"{path} holds no bit allocation (calibrate with python -m kvjax.calibrate "
+            f"--bpe-budget BPE)"
+        )
+    return BitAllocation.from_dict(meta["allocation"])
 
 
 def load_transforms(

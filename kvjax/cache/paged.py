@@ -94,6 +94,13 @@ class CacheConfig:
         such a layer can see is exact; their pools are sized like the others' (a window-sized
         ring buffer would need a plan of its own). 'quantized': they follow `quant` /
         `quant_v` like global layers.
+      layer_quant: a bit allocation: one (key, value) quantizer pair per layer, each with its
+        own width and metadata encoding (`kvjax.cache.budget`; `python -m kvjax.calibrate
+        --bpe-budget` stores one with the transforms, `kvjax.storage.load_allocation` reads
+        it). None: every layer uses `quant` / `quant_v`. Needs `quant` (the low-bit segment
+        exists at all); sliding layers still follow `sliding_layers`. With
+        attention='pallas', layers whose K or V width is 3 (stored unpacked) are stored and
+        decoded through the reference path.
     """
 
     sink: int = 64
@@ -108,6 +115,7 @@ class CacheConfig:
     num_fp_pages: int | None = None
     attention: Literal["reference", "pallas"] = "reference"
     sliding_layers: Literal["full_precision", "quantized"] = "full_precision"
+    layer_quant: tuple[tuple[QuantConfig, QuantConfig], ...] | None = None
 
     def __post_init__(self):
         p = self.page_size
@@ -130,13 +138,30 @@ class CacheConfig:
             raise ValueError(
                 f"sliding_layers={self.sliding_layers!r}; use one of {SLIDING_LAYER_POLICIES}"
             )
+        if self.layer_quant is not None:
+            if self.quant is None:
+                raise ValueError("layer_quant given with quant=None (no low-bit segment)")
+            if not isinstance(self.layer_quant, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(q, QuantConfig) for q in p)
+                for p in self.layer_quant
+            ):
+                raise ValueError(
+                    "layer_quant must be a tuple of (key, value) QuantConfig pairs, one per layer"
+                )
 
     def layer_policies(self, model_cfg: ModelConfig) -> tuple[LayerPolicy, ...]:
         """Each layer's window and quantizers: the one place the per-layer policy is decided."""
+        windows = model_cfg.layer_windows
+        if self.layer_quant is not None and len(self.layer_quant) != len(windows):
+            raise ValueError(
+                f"layer_quant has {len(self.layer_quant)} layers, the model {len(windows)}"
+            )
         out = []
-        for window in model_cfg.layer_windows:
+        for i, window in enumerate(windows):
             if window is not None and self.sliding_layers == "full_precision":
                 out.append(LayerPolicy(window, None, None))
+            elif self.layer_quant is not None:
+                out.append(LayerPolicy(window, *self.layer_quant[i]))
             else:
                 out.append(LayerPolicy(window, self.quant, self.value_quant))
         return tuple(out)
@@ -318,7 +343,7 @@ class PagedKVCache:
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
         def store():
-            if cfg.attention == "pallas" and pol.quant is not None:
+            if cfg.attention == "pallas" and _kernel_layer(pol):
                 # The fused quantize+pack kernel: flushed tokens are already in the stored
                 # frame (identity transform); new tokens going straight to low bits are
                 # transformed by the kernel itself.
@@ -365,11 +390,17 @@ class PagedKVCache:
                 lambda x: jax.lax.with_sharding_constraint(x, by_head), new_pools
             )
 
-        if cfg.attention == "pallas" and t == 1 and pol.window is None:
+        if (
+            cfg.attention == "pallas"
+            and t == 1
+            and pol.window is None
+            and (_kernel_layer(pol) or cfg.layer_quant is None)
+        ):
             # the kernel moves q into the key frame and applies B_V itself
-            o = self._pallas_decode(layer, q, new_pools)
+            o = self._pallas_decode(layer, q, new_pools, pol)
         else:
-            # Sliding-window layers always come here: the kernels take no window mask.
+            # Sliding-window layers always come here: the kernels take no window mask; so do
+            # a bit allocation's 3-bit layers (stored unpacked, which the kernels do not read).
             o_t = self._reference_attend(new_pools, q_t, k_t, v_t, positions, pol)  # value frame
             o = tf.outputs_from_value_frame(layer, o_t)
 
@@ -457,25 +488,28 @@ class PagedKVCache:
             check_vma=False,
         )(*(args[i] for i in present))
 
-    def _pallas_decode(self, layer, q, pools: LayerPools) -> jax.Array:
+    def _pallas_decode(self, layer, q, pools: LayerPools, pol: LayerPolicy) -> jax.Array:
         """Single-token decode through the Pallas kernel, reading packed pages directly."""
         from pallas_kernels.decode_attention import decode_attention  # lazy: optional path
 
         plan, cfg, tf = self.plan, self.cfg, self.transforms
         if cfg.quant is None and cfg.all_full_precision:
             return self._pallas_decode_fp(layer, q, pools)
-        if cfg.quant is None or cfg.quant.bits == 3 or cfg.value_quant.bits != cfg.quant.bits:
+        if not _kernel_layer(pol):
             raise ValueError(
-                "the pallas decode path needs packed 2- or 4-bit pages, the same "
-                "width for keys and values (or quant=None with keep covering max_seq_len)"
+                "the pallas decode path needs packed 2- or 4-bit pages (or quant=None with "
+                f"keep covering max_seq_len); layer {layer} has keys {pol.quant} and values "
+                f"{pol.quant_v}"
             )
         backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
+        bits_k, bits_v = pol.quant.bits, pol.quant_v.bits
 
         def run(q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
                 bk_t, bv):  # fmt: skip
             return decode_attention(
                 q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
-                bk_t, bv, bits=cfg.quant.bits, sm_scale=self.sm_scale, backend=backend,
+                bk_t, bv, bits=bits_k, bits_v=None if bits_v == bits_k else bits_v,
+                sm_scale=self.sm_scale, backend=backend,
                 interpret=jax.default_backend() == "cpu",
             )  # fmt: skip
 
@@ -524,6 +558,17 @@ class PagedKVCache:
                 plan.fp_len + 1)  # fmt: skip
         o_t = self._per_kv_shard(run, args, ("heads", "pool", "pool", None, None))
         return tf.outputs_from_value_frame(layer, o_t[:, None].astype(jnp.float32))
+
+
+def _kernel_layer(pol: LayerPolicy) -> bool:
+    """Whether the Pallas kernels store and read this layer's low-bit pages (packed 2/4 bits
+    for keys and values; 3 bits is stored unpacked and goes through the reference path)."""
+    return (
+        pol.quant is not None
+        and pol.quant_v is not None
+        and lay.is_packed(pol.quant.bits)
+        and lay.is_packed(pol.quant_v.bits)
+    )
 
 
 def _make_pools(

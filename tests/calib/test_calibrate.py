@@ -188,6 +188,10 @@ def test_bad_input(tiny_dir, text_file, tmp_path):
         (dict(clips="some"), "--clips 'some'"),
         (dict(data="/no/such/file.txt"), "--data '/no/such/file.txt' does not exist"),
         (dict(batch_size=3, data_parallel=2), "multiple of --data-parallel 2"),
+        (dict(bpe_budget=-1.0), "--bpe-budget -1.0"),
+        (dict(bpe_budget=2.5, alloc_widths=(5,)), "--alloc-widths 5"),
+        (dict(bpe_budget=2.5, alloc_meta=("int4",)), "--alloc-meta 'int4'"),
+        (dict(bpe_budget=2.5, clips="paper"), "--bpe-budget needs --clips calibrated"),
     ],
 )
 def test_options_are_checked_before_the_model_loads(kw, msg, tmp_path, monkeypatch):
@@ -198,6 +202,31 @@ def test_options_are_checked_before_the_model_loads(kw, msg, tmp_path, monkeypat
     base = dict(data=None, out=str(tmp_path / "o"), progress=False)
     with pytest.raises(ValueError, match=msg):
         cal.main(cal.CalibrateConfig(**{**base, **kw}))
+
+
+@pytest.mark.slow
+def test_bit_allocation_is_stored_with_the_transforms(tiny_dir, text_file, tmp_path):
+    from eval import common
+    from kvjax.models.loading import load_model
+    from kvjax.storage import load_allocation
+
+    # head_dim 32: 2 bits with 8-bit scale/zero is 2.5 BPE, float16 3.0
+    with pytest.raises(ValueError, match="--bpe-budget 2.4: below the cheapest"):
+        cal.main(_cfg(tiny_dir, text_file, tmp_path / "bad", methods=("wush",), bpe_budget=2.4))
+    assert not (tmp_path / "bad" / "stats.npz").exists()  # refused before the statistics
+    cal.main(_cfg(tiny_dir, text_file, tmp_path, methods=("wush",), bpe_budget=3.0))
+    meta = read_metadata(tmp_path / "wush")
+    alloc = load_allocation(tmp_path / "wush")
+    assert len(alloc.layers) == 2 and alloc.budget == 3.0 and alloc.bpe(32) <= 3.0
+    assert set(meta["clips_by_bits"]) == {"2", "3", "4"}
+    assert set(meta["bit_errors"]) == {f"{b}b/{m}" for b in (2, 3, 4) for m in ("float16", "uint8")}
+    errs = np.asarray(meta["bit_errors"]["2b/float16"])
+    assert errs.shape == (2, 2) and np.all(errs > np.asarray(meta["bit_errors"]["4b/float16"]))
+    lm = load_model(str(tiny_dir))
+    tf, got, _ = common.load_allocated(tmp_path, "wush", lm.cfg, lm.fingerprint)
+    assert got == alloc
+    want_k = [meta["clips_by_bits"][str(k.bits)]["k"][i] for i, (k, _) in enumerate(alloc.layers)]
+    np.testing.assert_allclose(np.asarray(tf.clip_k), want_k)
 
 
 def test_resume_never_mixes_other_data(tiny_dir, text_file, tmp_path):

@@ -281,3 +281,63 @@ def test_pallas_decode_path_matches_reference():
     # logits agree to bf16 precision, not float32.
     scale = np.abs(outs["reference"]).max()
     np.testing.assert_allclose(outs["pallas"], outs["reference"], atol=2e-3 * scale, rtol=0)
+
+
+# ---- bit allocations: per-layer (key, value) widths and scale/zero encodings ---------------
+def _alloc(*pairs):
+    return tuple(
+        (QuantConfig(bits=kb, meta_dtype=km), QuantConfig(bits=vb, meta_dtype=vm))
+        for (kb, km), (vb, vm) in pairs
+    )
+
+
+def test_layer_quant_pools_and_validation():
+    lq = _alloc(((2, "uint8"), (4, "float16")), ((3, "float16"), (2, "uint8")))
+    cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), layer_quant=lq)
+    cache = PagedKVCache.create(CFG, cc, KVTransforms.identity(CFG), 1)
+    d = CFG.head_dim
+    shapes = [(p.k_low[0].shape[-1], p.k_low[1].dtype, p.v_low[0].shape[-1], p.v_low[1].dtype)
+              for p in cache.pools]  # fmt: skip
+    assert shapes == [(d // 4, jnp.uint8, d // 2, jnp.float16), (d, jnp.float16, d // 4, jnp.uint8)]
+    assert [cache.policy(i).quant.bits for i in range(2)] == [2, 3]
+    with pytest.raises(ValueError, match="layer_quant has 1 layers, the model 2"):
+        PagedKVCache.create(CFG, dataclasses.replace(cc, layer_quant=lq[:1]), cache.transforms, 1)
+    with pytest.raises(ValueError, match="layer_quant given with quant=None"):
+        dataclasses.replace(SMALL, quant=None, layer_quant=lq)
+    with pytest.raises(ValueError, match="pairs"):
+        dataclasses.replace(cc, layer_quant=(QuantConfig(), QuantConfig()))
+
+
+@pytest.mark.slow
+def test_bit_allocation_pallas_path_matches_reference():
+    """Mixed widths across layers and between K and V, 8-bit scale/zero, and a 3-bit layer
+    (reference path inside the pallas cache): the kernels (interpret mode) == reference."""
+    cfg = dataclasses.replace(CFG, head_dim=64, num_layers=3)
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    graphdef, params = nnx.split(model)
+    step = jax.jit(lambda t, c: nnx.merge(graphdef, params)(t, c))
+    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 52))
+    tf = random_orthogonal_transforms(cfg, seed=9)
+    lq = _alloc(
+        ((2, "uint8"), (4, "float16")),
+        ((4, "uint8"), (2, "uint8")),
+        ((3, "float16"), (2, "float16")),
+    )
+    outs = {}
+    for impl in ("reference", "pallas"):
+        cc = CacheConfig(
+            sink=16,
+            keep=16,
+            flush=16,
+            page_size=16,
+            quant=QuantConfig(bits=2),
+            layer_quant=lq,
+            max_seq_len=64,
+            attention=impl,
+        )
+        cache = PagedKVCache.create(cfg, cc, tf, 2)
+        mgr = PageManager(cache)
+        outs[impl], _ = run_chunks(step, cache, mgr, tokens, [32, 16, 1, 1, 1, 1])
+        assert mgr.segments(0)[1] > 0
+    scale = np.abs(outs["reference"]).max()
+    np.testing.assert_allclose(outs["pallas"], outs["reference"], atol=2e-3 * scale, rtol=0)
