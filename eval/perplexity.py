@@ -18,7 +18,9 @@ chunks through `kvjax.cache.paged` itself (about ten times slower on CPU).
 Writes <out>/perplexity.json (one row per setting: transform, quantizer, bits, windows, metric,
 value, rel_to_fp and its standard error paired over windows, rel_to_fp_se), <out>/perplexity.md,
 and <out>/perplexity.png (perplexity vs bits per transform). `--data` scores a user's text
-instead of the evaluation plays.
+instead of the evaluation plays. `--allocation` adds each method's stored bit allocation
+(`python -m kvjax.calibrate --bpe-budget`) as a column; `python -m eval.bit_allocation` compares
+allocations and metadata encodings at equal bits per element.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ class PerplexityConfig:
     )
     data: str | None = cli.option(
         None, "evaluation text (.txt, dir of .txt, .jsonl, .parquet); default: the shipped plays"
+    )
+    allocation: bool = cli.option(
+        False,
+        "also score each method's stored bit allocation (kvjax.calibrate --bpe-budget; oscar "
+        "quantizer, protocol windows): rows with bits 'allocated'",
     )
     out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
     plot: bool = cli.option(True, "write the PNG plot")
@@ -211,6 +218,36 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
                 f"({100 * (ppl / fp - 1):+.2f}%) {time.perf_counter() - t0:.0f}s",
                 file=sys.stderr,
             )
+    if cfg.allocation:
+        for method in cfg.methods:
+            tf, alloc, _ = common.load_allocated(cfg.calib_dir, method, lm.cfg, lm.fingerprint)
+            ccfg = dataclasses.replace(
+                cache_config(cfg.protocol, cfg.page_size, QuantConfig(), windows.shape[1]),
+                layer_quant=alloc.layer_quant("oscar"),
+            )
+            t0 = time.perf_counter()
+            lp = score(scorer, windows, ccfg, tf, cfg)
+            ppl = perplexity(lp)
+            rows.append(
+                dict(
+                    transform=method,
+                    quantizer="oscar",
+                    bits="allocated",
+                    windows=window_name(cfg.protocol),
+                    value=ppl,
+                    rel_to_fp=ppl / fp - 1.0,
+                    rel_to_fp_se=paired_change_se(lp, fp_lp),
+                    seconds=time.perf_counter() - t0,
+                    allocation=alloc.to_dict(),
+                    bpe_lowbit=alloc.bpe(lm.cfg.head_dim, context=None),
+                    **base,
+                )
+            )
+            print(
+                f"{method:>18} allocated @ {alloc.budget} BPE: {ppl:.3f} "
+                f"({100 * (ppl / fp - 1):+.2f}%)",
+                file=sys.stderr,
+            )
     return rows
 
 
@@ -263,6 +300,8 @@ def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
     serv = window_name(cfg.serving) if cfg.serving is not None else None
     if serv is not None:
         header += [f"oscar {b}b @ {serv}" for b in cfg.serving_bits]
+    if cfg.allocation:
+        header.append("oscar allocated")
     by = {(r["transform"], r["quantizer"], r["bits"], r["windows"]): r for r in rows[1:]}
     table = []
     for m in cfg.methods:
@@ -270,6 +309,8 @@ def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
         keys = [(m, q, b, prot) for q, b in cols]
         if serv is not None:
             keys += [(m, "oscar", b, serv) for b in cfg.serving_bits]
+        if cfg.allocation:
+            keys.append((m, "oscar", "allocated", prot))
         for k in keys:
             r = by.get(k)
             cells.append("-" if r is None else cell(r))
@@ -308,7 +349,10 @@ def plot(rows: list[dict], cfg: PerplexityConfig, path: pathlib.Path) -> None:
             pts = sorted(
                 (r["bits"], r["value"])
                 for r in rows[1:]
-                if r["transform"] == m and r["quantizer"] == q and r["windows"] == prot
+                if r["transform"] == m
+                and r["quantizer"] == q
+                and r["windows"] == prot
+                and isinstance(r["bits"], int)  # not the 'allocated' rows
             )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
