@@ -230,15 +230,16 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
     segment or merge), 2 bits, dimension-major value pages (128 tokens): computing
     everything, keys only (no value product), or nothing but the TMA ring (loads only), with
-    1, 2 or 4 KV heads per CTA; and everything with token-major values (64-token pages)."""
+    1 or 2 KV heads per CTA and ring depths of 3 to 8 tiles."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", "full", h) for h in (1, 2, 4)]
-    runs += [(128, "dims", st, h) for st in ("keys", "loads") for h in (1, 4)]
-    runs += [(64, "tokens", "full", 1)]
+    runs = [(128, "dims", "full", 1, st) for st in (3, 4, 6, 8)]
+    runs += [(128, "dims", "full", 2, st) for st in (4, 6)]
+    runs += [(128, "dims", "keys", 1, 6)]
+    runs += [(128, "dims", "loads", 1, st) for st in (3, 6, 8)]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -251,11 +252,11 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, heads in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, heads, stages in [r for r in runs if r[:2] == (page_q, vl)]:
             if cfg.kv_heads % heads:
                 continue
 
-            def call(c, qg, stage=stage, heads=heads, vl=vl):
+            def call(c, qg, stage=stage, heads=heads, stages=stages, vl=vl):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -265,9 +266,10 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     stage=stage,
                     value_layout=vl,
                     heads=heads,
+                    stages=stages,
                 )
 
-            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}_heads{heads}"
+            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}_heads{heads}_stages{stages}"
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),

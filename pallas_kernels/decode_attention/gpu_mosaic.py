@@ -98,7 +98,7 @@ def heads_per_program(hkv: int, group: int, value_layout: str) -> int:
     ``GROUP_PAD // R`` columns of the MMAs' N, so one softmax over the ``[tile, N]`` logits
     serves ``R`` heads (a GQA group of 4 alone would leave 12 of 16 columns idle). Only with
     dimension-major value pages (the token-major path's float16 value tile is per head)."""
-    if value_layout != "dims":
+    if value_layout != "dims" or not _MULTI_HEAD_DEFAULT:
         return 1
     r = GROUP_PAD // max(1, 1 << (group - 1).bit_length())
     r = min(r, MAX_HEADS)
@@ -108,6 +108,9 @@ def heads_per_program(hkv: int, group: int, value_layout: str) -> int:
 
 
 MAX_HEADS = 4  # heads per CTA: shared memory (a ring slot holds R heads' tiles) and registers
+# Run 34 (8 x 128k, split kernel): R = 1 0.565 ms, 2 0.547, 4 0.667 (255 registers, spills);
+# 1 x 64k: 0.084, 0.100, 0.100. One head per CTA stays the default.
+_MULTI_HEAD_DEFAULT = False
 _SMEM_PER_CTA = 113_000  # two CTAs per SM on Hopper (227 KB, 1 KB reserved per CTA)
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
 
