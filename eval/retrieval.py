@@ -18,8 +18,11 @@ filler (or cycles through `--depths`), so every cell covers the whole context ev
 words, distractor depths and the filler's stretch of text are drawn from `--seed` and the
 length. The filler is the evaluation plays or `--data` (a user's text). A trial succeeds when
 greedy decoding reproduces the number exactly. Greedy success is measured teacher-forced: the
-answer " NNNNN" is appended and the trial passes iff the model's argmax at every answer
-position is the next answer token, which is exactly the condition for greedy decoding to emit it.
+answer " NNNNN" is appended and the trial passes iff the model's argmax at every digit position
+is the next digit token, which is exactly the condition for greedy decoding to emit the number.
+Where the tokenizer splits the space off (SmolLM2: " ", "5", "3", ...), the space token is
+given, not scored: whether the model writes " " or " the" before the number is not retrieval
+(a string match on generated text, as RULER scores, would not count it either).
 Every setting sees the same prompts, so differences to full precision are paired.
 
 Each cell reports accuracy, its binomial standard error sqrt(p (1 - p) / n), and for quantized
@@ -114,6 +117,11 @@ class RetrievalConfig:
         None, "haystack text (.txt, dir of .txt, .jsonl, .parquet); default: the evaluation plays"
     )
     out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
+    merge: tuple[str, ...] = cli.option(
+        (),
+        "retrieval.json files of runs with the same settings (e.g. one per task) to join "
+        "into <out>/retrieval.{json,md}; nothing is run",
+    )
 
     def __post_init__(self):
         common.check_methods(self.methods)
@@ -190,9 +198,10 @@ def make_trials(
 ) -> tuple[np.ndarray, int, list[dict]]:
     """One prompt per depth, each exactly `length` tokens (answer included).
 
-    Returns (ids i32[N, length], answer_start, per-trial info). The answer is the same number of
-    tokens in every trial, so one `answer_start` serves the batch; the filler takes up whatever
-    the fixed text leaves.
+    Returns (ids i32[N, length], answer_start, per-trial info): ids[:, answer_start:] are the
+    scored tokens, the number's (a leading space token, where the tokenizer splits one off, sits
+    before answer_start). The answer is the same number of tokens in every trial, so one
+    `answer_start` serves the batch; the filler takes up whatever the fixed text leaves.
 
     Raises:
         ValueError: the length cannot hold the fixed text, the filler is too short, or the
@@ -207,7 +216,7 @@ def make_trials(
     intro = enc(INTRO if task == "passkey" else NIAH_INTRO)
     if getattr(tokenizer, "add_bos_default", False):
         intro = np.concatenate([[tokenizer.bos_id], intro]).astype(np.int32)
-    rows, info, answer_len = [], [], None
+    rows, info, answer_len, lead0 = [], [], None, 0
     for depth in depths:
         if task == "passkey":
             key = _random_key(rng, key_digits)
@@ -229,9 +238,15 @@ def make_trials(
             question = enc(NIAH_QUESTION.format(word=words[0]))
             extra = dict(word=words[0], distractors=dict(zip(words[1:], keys[1:])))
         answer = enc(ANSWER.format(key=key))
+        digits = enc(key)
+        # A tokenizer that splits the leading space off (SmolLM2: " 53798" -> " ", "5", ...)
+        # gets the space with the question: only the number is scored (as a string match on
+        # the output would), not whether the model writes " " or " the" before it.
+        split = len(digits) < len(answer) and answer[-len(digits) :].tolist() == digits.tolist()
+        lead = len(answer) - len(digits) if split else 0
         if answer_len is None:
-            answer_len = len(answer)
-        elif len(answer) != answer_len:
+            answer_len, lead0 = len(answer), lead
+        elif len(answer) != answer_len or lead != lead0:
             raise ValueError(
                 f"answer {ANSWER.format(key=key)!r} tokenizes to {len(answer)} "
                 f"tokens, others to {answer_len}"
@@ -268,7 +283,7 @@ def make_trials(
             dict(depth=float(depth), key=key, needle_position=int(asked_at), filler_start=start)
             | extra
         )
-    return np.stack(rows).astype(np.int32), length - answer_len, info
+    return np.stack(rows).astype(np.int32), length - answer_len + lead0, info
 
 
 def score_trials(
@@ -300,8 +315,35 @@ def resolve_lengths(cfg: RetrievalConfig, context: int) -> tuple[int, ...]:
     return tuple(lengths)
 
 
+def merge_runs(paths: Sequence[str], out: str) -> dict:
+    """Joins the rows of retrieval.json files (runs split by task or length) into
+    <out>/retrieval.{json,md}; the first file's settings describe the table."""
+    import json
+    import pathlib
+
+    payloads = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    conf = payloads[0]["config"]
+    fields = {f.name: f for f in dataclasses.fields(RetrievalConfig)}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
+    rows = [r for p in payloads for r in p["rows"]]
+    kw.update(tasks=tuple(dict.fromkeys(r["task"] for r in rows)), merge=tuple(paths), out=out)
+    cfg = RetrievalConfig(**kw)
+    payload = dict(
+        payloads[0],
+        config=dataclasses.asdict(cfg),
+        lengths=sorted({r["length"] for r in rows}),
+        seconds=sum(p["seconds"] for p in payloads),
+        merged=[dict(path=str(p), environment=q["environment"]) for p, q in zip(paths, payloads)],
+        rows=rows,
+    )
+    common.write_results(out, "retrieval", payload, to_markdown(rows, cfg))
+    return payload
+
+
 def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
     """Runs every (task, length, setting) and writes retrieval.{json,md}; returns the payload."""
+    if cfg.merge:
+        return merge_runs(cfg.merge, cfg.out)
     text = assets.load_text(cfg.data) if cfg.data else None  # a bad file fails before the model
     lm = lm or load_model(cfg.model)
     t0 = time.perf_counter()
@@ -372,7 +414,7 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
                 )
                 print(
                     f"{task:>7} {length:>6} {name:>18}: {acc:.2f} ± {rows[-1]['value_se']:.2f}"
-                    f" ({frac.mean():.2f} of answer tokens) {seconds:.0f}s "
+                    f" ({frac.mean():.2f} of digits) {seconds:.0f}s "
                     f"({seconds / len(exact):.1f}s per trial)",
                     file=sys.stderr,
                     flush=True,

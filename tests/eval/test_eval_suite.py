@@ -257,6 +257,15 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
         assert fp
     md = (tmp_path / "retrieval.md").read_text()
     assert "Multi-key needle" in md and "Passkey" in md and "Seconds per trial" in md
+    # Runs split by task join into the same table.
+    for task in retrieval.TASKS:
+        (tmp_path / task).mkdir()
+        p = dict(payload, rows=[r for r in rows if r["task"] == task])
+        (tmp_path / task / "retrieval.json").write_text(json.dumps(p))
+    both = [str(tmp_path / t / "retrieval.json") for t in retrieval.TASKS]
+    merged = retrieval.main(retrieval.RetrievalConfig(merge=tuple(both), out=str(tmp_path / "m")))
+    assert merged["rows"] == rows
+    assert (tmp_path / "m" / "retrieval.md").read_text() == md
 
 
 def test_retrieval_batching_does_not_change_the_answers(lm, calib_dir):
@@ -344,7 +353,8 @@ def test_make_trials_places_key_and_answer(lm):
     assert ids.shape == (3, 256)
     for row, t in zip(ids, info):
         answer = lm.tokenizer.encode(retrieval.ANSWER.format(key=t["key"]))
-        assert row[a0:].tolist() == answer
+        # The byte tokenizer splits the space off: it comes with the question, unscored.
+        assert row[a0 - 1 :].tolist() == answer and row[a0:].tolist() == answer[1:]
         needle = lm.tokenizer.encode(retrieval.NEEDLE.format(key=t["key"]))
         p = t["needle_position"]
         assert row[p : p + len(needle)].tolist() == needle
@@ -357,12 +367,12 @@ def test_make_trials_niah_plants_every_needle_and_asks_for_one(lm):
     assert ids.shape == (3, 600)
     enc = lm.tokenizer.encode
     for row, t in zip(ids, info):
-        assert row[a0:].tolist() == enc(retrieval.ANSWER.format(key=t["key"]))
+        assert row[a0 - 1 :].tolist() == enc(retrieval.ANSWER.format(key=t["key"]))
         asked = enc(retrieval.NIAH_NEEDLE.format(word=t["word"], key=t["key"]))
         p = t["needle_position"]
         assert row[p : p + len(asked)].tolist() == asked
         question = enc(retrieval.NIAH_QUESTION.format(word=t["word"]))
-        assert row[a0 - len(question) : a0].tolist() == question
+        assert row[a0 - 1 - len(question) : a0 - 1].tolist() == question
         assert len(t["distractors"]) == 4 and t["word"] not in t["distractors"]
         assert t["key"] not in t["distractors"].values()
         text = bytes(row.tolist())  # ids < 64: bytes() gives a searchable string
@@ -638,7 +648,7 @@ def test_gemma_prompts_start_with_bos_and_run():
     for task in retrieval.TASKS:
         ids, a0, info = retrieval.make_trials(lm.tokenizer, filler, 320, (0.5,), 5, 1, task, 3)
         assert ids[0, 0] == lm.tokenizer.bos_id and (ids[0, 1:] != lm.tokenizer.bos_id).all()
-        assert lm.tokenizer.decode(ids[0, a0:].tolist()).strip() == info[0]["key"]
+        assert lm.tokenizer.decode(ids[0, a0 - 1 :].tolist()).strip().endswith(info[0]["key"])
         exact, frac = retrieval.score_trials(common.TokenScorer(lm.model), ids, a0, None, None,
                                              16, 1)  # fmt: skip
         assert 0.0 <= frac[0] <= 1.0
