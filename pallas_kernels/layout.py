@@ -6,8 +6,12 @@ paged cache. No other module does stride or packing arithmetic.
 
 Bit layout
 ----------
-Bits 2 and 4 are stored packed in ``uint8`` with ``n = 8 // bits`` codes per byte; 3 bits is
-simulated only and kept unpacked (one code per ``uint8``, ``n = 1``).
+Bits 2 and 4 are stored packed in ``uint8`` with ``n = 8 // bits`` codes per byte. 3 bits is
+stored bit-sliced, ``3 d / 8`` bytes per row: the codes' low two bits in the 2-bit planar layout
+below (``d / 4`` bytes), then their high bit in the same planar layout at one bit per code
+(``d / 8`` bytes, byte ``j`` holding channel ``j + i * d / 8`` at bit ``i``). Only the reference
+paths read 3-bit pages (the kernels take 2 and 4; ``codes_per_byte(3)`` is 1 and
+``is_packed(3)`` False in that sense); `packed_dim` gives every width's row length.
 
 Packing is *planar* along the last (channel) axis. For a row of ``d`` codes, byte ``j``
 (``0 <= j < d // n``) holds code ``j + i * (d // n)`` at bit offset ``i * bits`` for
@@ -82,23 +86,46 @@ def _check_bits(bits: int) -> None:
 
 
 def is_packed(bits: int) -> bool:
-    """Whether codes of this bit width are stored packed (2, 4) or one per byte (3)."""
+    """Whether codes of this width use the planar layout the kernels read (2, 4), not the
+    bit-sliced 3-bit rows of the reference paths."""
     _check_bits(bits)
     return bits in PACKED_BITS
 
 
 def codes_per_byte(bits: int) -> int:
-    """Codes stored in one uint8: ``8 // bits`` for 2 and 4 bits, 1 for (unpacked) 3 bits."""
+    """Codes per byte of the planar layout: ``8 // bits`` for 2 and 4 bits; 1 for 3 bits,
+    which is bit-sliced instead (`packed_dim`)."""
     _check_bits(bits)
     return 8 // bits if bits in PACKED_BITS else 1
 
 
 def packed_dim(d: int, bits: int) -> int:
-    """Length of the last axis after packing a row of ``d`` codes."""
+    """Length of the last axis after packing a row of ``d`` codes (3 bits: ``3 d / 8``)."""
     n = codes_per_byte(bits)
+    if bits == 3:
+        if d <= 0 or d % 8:
+            raise ValueError(f"d={d} must be a positive multiple of 8 for 3-bit rows")
+        return 3 * d // 8
     if d <= 0 or d % n:
         raise ValueError(f"d={d} must be a positive multiple of codes_per_byte({bits})={n}")
     return d // n
+
+
+def _pack_planar(codes: jax.Array, bits: int, n: int) -> jax.Array:  # u8[..., d] -> u8[..., d/n]
+    d = codes.shape[-1]
+    m = d // n
+    planes = codes.reshape(*codes.shape[:-1], n, m)  # u8[..., n, d//n]; plane i = codes i*m..
+    out = planes[..., 0, :]
+    for i in range(1, n):
+        # Bit fields are disjoint, so OR is exact (no carries).
+        out = out | (planes[..., i, :] << jnp.uint8(i * bits))
+    return out
+
+
+def _unpack_planar(packed: jax.Array, bits: int, n: int) -> jax.Array:  # u8[..., m] -> [..., n m]
+    mask = jnp.uint8((1 << bits) - 1)
+    planes = [(packed >> jnp.uint8(i * bits)) & mask for i in range(n)]
+    return jnp.concatenate(planes, axis=-1)
 
 
 def _normalise_dtype_name(dtype: object, allowed: Sequence[str], what: str) -> str:
@@ -118,8 +145,8 @@ def pack_codes(
     """Packs codes planar-wise along the last axis (see the module docstring).
 
     Codes are assumed to lie in ``[0, 2**bits)``; higher bits are masked off so that an
-    out-of-range code cannot corrupt its neighbours. For 3 bits the codes are returned unpacked
-    as ``uint8``.
+    out-of-range code cannot corrupt its neighbours. 3 bits: the bit-sliced rows of the module
+    docstring.
 
     Args:
       codes: integer codes; last axis is the channel axis of length ``d``.
@@ -130,17 +157,14 @@ def pack_codes(
     """
     n = codes_per_byte(bits)
     d = codes.shape[-1]
-    m = packed_dim(d, bits)
+    packed_dim(d, bits)  # validates d
     mask = (1 << bits) - 1
     codes = codes.astype(jnp.uint8) & jnp.uint8(mask)
-    if n == 1:
-        return codes
-    planes = codes.reshape(*codes.shape[:-1], n, m)  # u8[..., n, d//n]; plane i = codes i*m..
-    out = planes[..., 0, :]
-    for i in range(1, n):
-        # Bit fields are disjoint, so OR is exact (no carries).
-        out = out | (planes[..., i, :] << jnp.uint8(i * bits))
-    return out
+    if bits == 3:  # low two bits 2-bit planar, then the high bit 1-bit planar
+        lo = _pack_planar(codes & jnp.uint8(3), 2, 4)
+        hi = _pack_planar(codes >> jnp.uint8(2), 1, 8)
+        return jnp.concatenate([lo, hi], axis=-1)
+    return _pack_planar(codes, bits, n)
 
 
 def unpack_planes(
@@ -179,11 +203,11 @@ def pack_tile(
     (the bit fields are disjoint, so the sum equals the OR). Keeps the input dtype; cast to
     uint8 at the store.
     """
+    if bits not in PACKED_BITS:
+        raise ValueError(f"bits={bits}: kernels pack {PACKED_BITS} (3-bit rows are bit-sliced)")
     n = codes_per_byte(bits)
     d = codes.shape[-1]
     m = packed_dim(d, bits)
-    if n == 1:
-        return codes
     planes = codes.reshape(*codes.shape[:-1], n, m)  # int[..., n, d//n]
     plane_idx = jax.lax.broadcasted_iota(codes.dtype, (n, m), 0)  # [n, m]: row i holds i
     weights = jnp.left_shift(jnp.ones_like(plane_idx), plane_idx * jnp.asarray(bits, codes.dtype))
@@ -229,8 +253,12 @@ def unpack_codes(
     m = packed_dim(d, bits)
     if packed.shape[-1] != m:
         raise ValueError(f"{packed.shape=} does not match d={d}, bits={bits}: expected last={m}")
-    planes = unpack_planes(packed.astype(jnp.uint8), bits)
-    return jnp.concatenate(planes, axis=-1)
+    packed = packed.astype(jnp.uint8)
+    if bits == 3:
+        lo = _unpack_planar(packed[..., : d // 4], 2, 4)
+        hi = _unpack_planar(packed[..., d // 4 :], 1, 8)
+        return lo | (hi << jnp.uint8(2))
+    return jnp.concatenate(unpack_planes(packed, bits), axis=-1)
 
 
 # ------------------------------------------------------------------------------------------
@@ -356,7 +384,7 @@ class PageLayout:
       page_size: tokens per page (``P``).
       num_kv_heads: KV heads per layer (``Hkv``).
       head_dim: channels per head (``d``).
-      bits: low-bit code width; 2 and 4 packed, 3 unpacked (simulation only).
+      bits: low-bit code width; 2 and 4 packed planar, 3 bit-sliced (reference paths only).
       group_size: channels sharing one (scale, zero); ``None`` means ``head_dim``.
       meta_dtype: storage dtype name of scale and zero ('float16', 'bfloat16', 'float32', or
         'uint8': the 8-bit encoding of the module docstring).
@@ -379,10 +407,10 @@ class PageLayout:
         g = _positive_int(g, "group_size")
         if self.head_dim % g:
             raise ValueError(f"head_dim={self.head_dim} is not divisible by group_size={g}")
-        n = codes_per_byte(self.bits)
+        n = 8 if self.bits == 3 else codes_per_byte(self.bits)
         if self.head_dim % n:
             raise ValueError(
-                f"head_dim={self.head_dim} is not divisible by codes_per_byte({self.bits})={n}"
+                f"head_dim={self.head_dim} is not divisible by {n} ({self.bits}-bit rows)"
             )
         # Normalise so equal layouts compare (and hash) equal whatever spelling was used.
         object.__setattr__(self, "group_size", g)
@@ -406,8 +434,8 @@ class PageLayout:
 
     @property
     def packed_dim(self) -> int:
-        """Last-axis length of a code row: ``head_dim // n``."""
-        return self.head_dim // self.codes_per_byte
+        """Last-axis length of a code row: ``head_dim // n`` (3 bits: ``3 head_dim / 8``)."""
+        return packed_dim(self.head_dim, self.bits)
 
     @property
     def num_groups(self) -> int:

@@ -6,7 +6,7 @@ one cached key or value of one KV head; its bits are, averaged over every (layer
     bpe = f_low * lowbit_bpe + (1 - f_low) * fp_bits
 
 - ``lowbit_bpe`` of a (layer, K or V) cache: its codes (``bits`` per element as stored: 2 and
-  4 packed, 3 stored one code per byte, so 8) plus its scale and zero per group of ``G``
+  4 packed planar, 3 bit-sliced: 3 bits) plus its scale and zero per group of ``G``
   channels (``2 * meta_bits / G``: 0.5 at float16 and G = 64, 0.25 with the 8-bit encoding of
   `pallas_kernels.layout`), exactly `pallas_kernels.layout.PageLayout.bits_per_element`;
 - ``f_low`` the fraction of a ``context``-token sequence held in low-bit pages under the

@@ -99,7 +99,7 @@ class CacheConfig:
         --bpe-budget` stores one with the transforms, `kvjax.storage.load_allocation` reads
         it). None: every layer uses `quant` / `quant_v`. Needs `quant` (the low-bit segment
         exists at all); sliding layers still follow `sliding_layers`. With
-        attention='pallas', layers whose K or V width is 3 (stored unpacked) are stored and
+        attention='pallas', layers whose K or V width is 3 (bit-sliced rows) are stored and
         decoded through the reference path.
     """
 
@@ -400,7 +400,7 @@ class PagedKVCache:
             o = self._pallas_decode(layer, q, new_pools, pol)
         else:
             # Sliding-window layers always come here: the kernels take no window mask; so do
-            # a bit allocation's 3-bit layers (stored unpacked, which the kernels do not read).
+            # a bit allocation's 3-bit layers (bit-sliced rows, which the kernels do not read).
             o_t = self._reference_attend(new_pools, q_t, k_t, v_t, positions, pol)  # value frame
             o = tf.outputs_from_value_frame(layer, o_t)
 
@@ -562,7 +562,7 @@ class PagedKVCache:
 
 def _kernel_layer(pol: LayerPolicy) -> bool:
     """Whether the Pallas kernels store and read this layer's low-bit pages (packed 2/4 bits
-    for keys and values; 3 bits is stored unpacked and goes through the reference path)."""
+    for keys and values; 3-bit rows are bit-sliced and go through the reference path)."""
     return (
         pol.quant is not None
         and pol.quant_v is not None

@@ -28,7 +28,7 @@ class QuantConfig:
     Attributes:
       method: 'oscar' (percentile clip + asymmetric min/max), 'quest' (RMS-scaled symmetric
         grid, WUSH-KV Eq. 5) or 'minmax' (asymmetric min/max, no clip).
-      bits: 2 or 4 (stored packed) or 3 (simulated, stored one code per byte).
+      bits: 2 or 4 (stored packed planar) or 3 (stored bit-sliced, reference paths only).
       group_size: channels per (scale, zero); None means the whole head_dim.
       clip: oscar: percentile kappa in (0, 1] (None = 1, no clip); quest: clip endpoint in RMS
         units (None = the Gaussian-optimal alpha_b); minmax: must be None.
@@ -89,7 +89,7 @@ class QuantizedArray:
         x_hat[..., c] = (code[..., c] - zero[..., c // group_size]) * scale[..., c // group_size]
 
     ``codes`` are stored in the planar packed layout of :mod:`pallas_kernels.layout` when
-    ``packed`` (bits 2 and 4), else one code per uint8 (bits 3). ``zero`` is real-valued.
+    ``packed`` (bits 2 and 4), else bit-sliced (bits 3, `layout`). ``zero`` is real-valued.
     ``scale`` and ``zero`` hold their stored form: floats, or bytes of the 8-bit encoding
     (``layout.decode_scale`` / ``decode_zero`` give the float32 values).
 

@@ -30,9 +30,8 @@ def test_pack_unpack_round_trip(case):
     # The layout is per-row, so every group size sees the same packed row; check the group
     # slices of the unpacked row too (what a kernel reading one group's codes gets).
     packed = layout.pack_codes(jnp.asarray(codes), bits)
-    n = layout.codes_per_byte(bits)
     assert packed.dtype == jnp.uint8
-    assert packed.shape == (*codes.shape[:-1], d // n)
+    assert packed.shape == (*codes.shape[:-1], d * bits // 8)
     out = np.asarray(layout.unpack_codes(packed, bits, d))
     np.testing.assert_array_equal(out, codes)
     for s in range(0, d, g):
@@ -68,11 +67,22 @@ def test_unpack_planes_on_int32_tiles():
     np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in planes]), codes)
 
 
-def test_three_bits_is_unpacked():
-    codes = jnp.asarray(np.arange(16, dtype=np.uint8) % 8)
-    assert layout.codes_per_byte(3) == 1
-    assert not layout.is_packed(3)
-    np.testing.assert_array_equal(np.asarray(layout.pack_codes(codes, 3)), np.asarray(codes))
+def test_three_bits_is_bit_sliced():
+    """3 bits: low two bits in the 2-bit planar layout, then the high bit 1-bit planar."""
+    d = 32
+    codes = np.random.default_rng(1).integers(0, 8, (3, d), dtype=np.uint8)
+    assert layout.codes_per_byte(3) == 1 and not layout.is_packed(3)  # no planar kernel layout
+    packed = np.asarray(layout.pack_codes(jnp.asarray(codes), 3))
+    assert packed.shape == (3, 12) and layout.packed_dim(d, 3) == 12
+    lo = np.asarray(layout.pack_codes(jnp.asarray(codes & 3), 2))
+    np.testing.assert_array_equal(packed[:, :8], lo)
+    hi = np.zeros((3, 4), np.int64)
+    for j in range(4):
+        for i in range(8):
+            hi[:, j] |= (codes[:, j + 4 * i] >> 2).astype(np.int64) << i
+    np.testing.assert_array_equal(packed[:, 8:], hi.astype(np.uint8))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        layout.packed_dim(36, 3)
 
 
 def test_codes_per_byte_and_errors():
@@ -112,7 +122,8 @@ def test_page_layout_defaults_and_normalisation():
     assert a.group_size == 128 and a.num_groups == 1
     assert a.fp_jnp_dtype == jnp.bfloat16
     c = layout.PageLayout(16, 2, 64, bits=3, group_size=32, fp_dtype="float32")
-    assert c.codes_shape(2) == (2, 2, 16, 64)
+    assert c.codes_shape(2) == (2, 2, 16, 24)
+    assert c.bits_per_element == 3.0 + 2 * 16 / 32
     assert c.fp_bytes_per_token == 2 * 64 * 4
 
 
@@ -138,7 +149,7 @@ def test_page_layout_bad_num_pages():
         lay.codes_shape(0)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 4])  # the kernels' widths; 3-bit rows are reference-only
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int32])
 def test_pack_tile_matches_pack_codes(bits, dtype):
     """The kernel-side (reshape + sum) packer produces the same bytes as pack_codes."""

@@ -18,7 +18,8 @@ from kvjax.config import ModelConfig
         ("2b/float16", 128, 2.25),
         ("2b/uint8", 128, 2.125),
         ("4b/uint8", 64, 4.25),
-        ("3b/float16", 64, 8.5),  # 3 bits is stored one code per byte
+        ("3b/float16", 64, 3.5),  # 3 bits is stored bit-sliced (2 + 1 bits)
+        ("3b/uint8", 64, 3.25),
     ],
 )
 def test_format_bits_per_element(name, d, bpe):
