@@ -51,7 +51,7 @@ from pallas_kernels.decode_attention import tiles as da
 
 TILE = 64  # tokens per step at least: the M of one warpgroup MMA
 MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA)
-STAGES_KINDS = ("full", "keys", "loads")  # attribution: what a step computes
+STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a step does
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
@@ -184,6 +184,8 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(vc_gmem.at[pg, head], v_smem.at[slot, h], bar)
             else:
                 plgpu.copy_gmem_to_smem(vc_gmem.at[pg, head, rows], v_smem.at[slot, h], bar)
+        if stage == "loads_codes":  # attribution: the code tiles' copies alone
+            return
         for r, src in enumerate((ks_gmem, kz_gmem, vs_gmem, vz_gmem)):
             plgpu.copy_gmem_to_smem(src.at[pg, heads_ds, rows], meta_smem.at[r, slot], bar)
 
@@ -221,7 +223,7 @@ def _kernel(
             issue(nxt, lax.rem(nxt, stages))
 
         plgpu.barrier_wait(bars.at[slot])
-        if stage == "loads":  # the TMA ring alone: what the copies cost
+        if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
             return carry
 
         def keys(acc_ref):
@@ -430,7 +432,9 @@ def lowbit_partials(
             v16_smem=v16_smem,
             vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
             bar_in=plgpu.Barrier(num_arrivals=2 + r, num_barriers=1),
-            bars=plgpu.Barrier(num_arrivals=2 * r + 4, num_barriers=stages),
+            bars=plgpu.Barrier(
+                num_arrivals=2 * r + (0 if stage == "loads_codes" else 4), num_barriers=stages
+            ),
         ),
     )(q_planes, qsum, kc, vc, *metas, tab_ext)
     # Column block h of CTA (b, g) is KV head g * R + h.
