@@ -230,15 +230,14 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
     segment or merge), 2 bits, dimension-major value pages (128 tokens): computing
     everything, keys only (no value product), nothing but the TMA ring (loads only), or the
-    ring without the four metadata copies per step (loads_codes: what the copy count costs).
-    Run 35 measured ring depths 3-8 level (loads alone 0.21 ms at 8 x 128k at any depth) and
-    2 KV heads per CTA +3% at 8 x 128k, slower at batch 1."""
+    ring without the four metadata copies per step (loads_codes: what the copy count costs);
+    and everything with token-major values (64-token pages)."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st, 1, 3) for st in gm.STAGES_KINDS]
+    runs = [(128, "dims", st) for st in gm.STAGES_KINDS] + [(64, "tokens", "full")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -251,11 +250,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, heads, stages in [r for r in runs if r[:2] == (page_q, vl)]:
-            if cfg.kv_heads % heads:
-                continue
+        for _, _, stage in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, heads=heads, stages=stages, vl=vl):
+            def call(c, qg, stage=stage, vl=vl):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -264,11 +261,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     group=group,
                     stage=stage,
                     value_layout=vl,
-                    heads=heads,
-                    stages=stages,
                 )
 
-            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}_heads{heads}_stages{stages}"
+            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),

@@ -2,28 +2,32 @@
 dimension of the warpgroup MMA.
 
 Grid ``(B, Hkv, S)``: one CTA (one warpgroup) per (sequence, KV head, split) walks its split's
-low-bit pages 64 tokens (``TILE`` rows) at a time:
+low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
 
-* **Keys on the tensor cores, codes as the register operand.** A ``[64, d/n]`` byte tile of
+* **Keys on the tensor cores, codes as the register operand.** A ``[tile, d/n]`` byte tile of
   planar-packed key codes (`pallas_kernels.layout`) is loaded to registers once; plane ``i``
-  (a shift and a mask) is already a ``[64, d/n]`` array in the MMA's A layout, so
-  ``logits^T[64, N] = sum_i plane_i @ q_i^T`` is ``n`` warpgroup MMAs of K = d/n against the
+  is already a ``[tile, d/n]`` array in the MMA's A layout, so
+  ``logits^T[tile, N] = sum_i plane_i @ q_i^T`` is ``n`` warpgroup MMAs of K = d/n against the
   matching column block of the transformed query (shared memory, group padded to N = 16).
+  A plane becomes float16 without an integer-to-float conversion (`_plane_to_f16`: a mask,
+  an OR under a float16 exponent and a subtraction, two codes per 32-bit instruction).
   Scales and zero points are applied per token row afterwards
   (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5).
 * **Softmax over the token axis** (axis 0 of the accumulator: a cross-warp reduction), base 2,
   the query carrying ``sm_scale * log2(e)``.
-* **Values** ``O^T[d, N] = V^T (p s)``: the unpacked value planes are written as float16 into a
-  ``[64, d]`` shared tile and read by the MMA transposed (A from shared memory), with
-  ``p * s_v`` as the B operand; the zero-point term ``sum_t p_t s_t z_t`` is a column sum.
-  Token-major value codes cannot be the register operand of this product (its contraction
-  runs over tokens); the dimension-major page layout that would allow it is future work.
+* **Values** ``O^T[d, N] = V^T (p s)`` with ``p * s_v`` as the B operand (shared memory) and
+  the zero-point term ``sum_t p_t s_t z_t`` a column sum. With dimension-major value pages
+  (`layout.VALUE_LAYOUTS` ``"dims"``, 128-token pages) each plane of the ``[d, tile/n]`` code
+  tile is the register A operand over ``tile/n`` tokens. With token-major pages the planes are
+  written as float16 into a ``[tile, d]`` shared tile that the MMA reads transposed (their
+  contraction runs over tokens, so they cannot be a register operand).
 * **Pipeline**: each tile arrives by TMA (key and value codes and the four per-token metadata
   rows: six copies) into a ``STAGES``-deep shared-memory ring, one mbarrier per slot; tile
-  ``i + STAGES - 1`` is requested before tile ``i`` is computed. Lane-level TMA copies move
-  multiples of 128 bytes, so a tile's float16 metadata row (64 x 2 bytes) must be contiguous:
-  low-bit pages hold a multiple of 64 tokens (`layout.PageLayout` with ``page_size=64``); a
-  16-token page's 32-byte rows cannot be copied this way.
+  ``i + STAGES - 1`` is requested before tile ``i`` is computed. The ring shares its memory
+  with the epilogue's output tile. Lane-level TMA copies move multiples of 128 bytes, so a
+  tile's float16 metadata row (64 x 2 bytes) must be contiguous: low-bit pages hold a
+  multiple of 64 tokens (`layout.PageLayout` with ``page_size=64``); a 16-token page's
+  32-byte rows cannot be copied this way.
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
 denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
@@ -93,31 +97,12 @@ def _plane_to_f16(w: jax.Array, i: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type(code_bits, jnp.float16) - jnp.float16(2.0 ** (10 - shift))
 
 
-def heads_per_program(hkv: int, group: int, value_layout: str) -> int:
-    """KV heads one CTA serves side by side (``R``): each head's queries fill a block of
-    ``GROUP_PAD // R`` columns of the MMAs' N, so one softmax over the ``[tile, N]`` logits
-    serves ``R`` heads (a GQA group of 4 alone would leave 12 of 16 columns idle). Only with
-    dimension-major value pages (the token-major path's float16 value tile is per head)."""
-    if value_layout != "dims" or not _MULTI_HEAD_DEFAULT:
-        return 1
-    r = GROUP_PAD // max(1, 1 << (group - 1).bit_length())
-    r = min(r, MAX_HEADS)
-    while hkv % r:
-        r //= 2
-    return max(1, r)
-
-
-MAX_HEADS = 4  # heads per CTA: shared memory (a ring slot holds R heads' tiles) and registers
-# Run 34 (8 x 128k, split kernel): R = 1 0.565 ms, 2 0.547, 4 0.667 (255 registers, spills);
-# 1 x 64k: 0.084, 0.100, 0.100. One head per CTA stays the default.
-_MULTI_HEAD_DEFAULT = False
-_SMEM_PER_CTA = 113_000  # two CTAs per SM on Hopper (227 KB, 1 KB reserved per CTA)
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
 
 
 def _kernel(
-    q_gmem,  # f16[B, Hkv/R, R, n, N, W] query planes per head, its column block, x scale_log2
-    qsum_gmem,  # f32[B, Hkv/R, 32] sum over channels of the float16 query, per column
+    q_gmem,  # f16[B, Hkv, n, N, W] transformed query planes, times scale_log2
+    qsum_gmem,  # f32[B, Hkv, 32] sum over channels of the float16 query, per column
     kc_gmem,  # u8[P, Hkv, page, W]
     vc_gmem,  # u8[P, Hkv, page, W] or [P, Hkv, d, page / n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
@@ -125,9 +110,9 @@ def _kernel(
     vs_gmem,
     vz_gmem,
     tab_gmem,  # i32[B, S, rows, 32]: pages of the split, then its valid-token count
-    acc_gmem,  # f32[B, Hkv/R, S, d, N]
-    m_gmem,  # f32[B, Hkv/R, S, N]
-    l_gmem,  # f32[B, Hkv/R, S, N]
+    acc_gmem,  # f32[B, Hkv, S, d, N]
+    m_gmem,  # f32[B, Hkv, S, N]
+    l_gmem,  # f32[B, Hkv, S, N]
     q_smem,
     qsum_smem,
     tab_smem,
@@ -144,23 +129,18 @@ def _kernel(
     tile: int,
     stage: str,
     value_layout: str,
-    heads: int,
-    stages: int,
 ):
-    # k [STAGES, R, tile, W]; v [STAGES, R, tile, W] or [STAGES, R, d, tile / n]; meta
-    # f16[4, STAGES, R, tile] (k scale, k zero, v scale, v zero); p f16[R, tile, N].
+    # k [STAGES, tile, W]; v [STAGES, tile, W] or [STAGES, d, tile / n]; meta
+    # f16[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
     (k_smem, v_smem, meta_smem, p_smem), out_smem = ring
     bi = lax.axis_index("b")
-    hg = lax.axis_index("h")
+    h = lax.axis_index("h")
     si = lax.axis_index("s")
     width = q_smem.shape[-1]
     d = n * width
-    cols = GROUP_PAD // heads  # query columns per head
-    heads_ds = pl.ds(hg * heads, heads)
     tiles_per_page = page // tile
-    for h in range(heads):
-        plgpu.copy_gmem_to_smem(q_gmem.at[bi, hg, h], q_smem.at[h], bar_in.at[0])
-    plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, hg], qsum_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, h], qsum_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
@@ -175,21 +155,17 @@ def _kernel(
         pg = table(step // tiles_per_page)
         rows = pl.ds(lax.rem(step, tiles_per_page) * tile, tile)
         bar = bars.at[slot]
-        # Code tiles one copy per head (a swizzled [R, tile, W] box would need 6 TMA
-        # dimensions, 5 is the limit); metadata one [R, tile] copy per operand.
-        for h in range(heads):
-            head = hg * heads + h
-            plgpu.copy_gmem_to_smem(kc_gmem.at[pg, head, rows], k_smem.at[slot, h], bar)
-            if value_layout == "dims":  # one tile per page: the whole [d, page / n] block
-                plgpu.copy_gmem_to_smem(vc_gmem.at[pg, head], v_smem.at[slot, h], bar)
-            else:
-                plgpu.copy_gmem_to_smem(vc_gmem.at[pg, head, rows], v_smem.at[slot, h], bar)
+        plgpu.copy_gmem_to_smem(kc_gmem.at[pg, h, rows], k_smem.at[slot], bar)
+        if value_layout == "dims":  # one tile per page: the whole [d, page / n] block
+            plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h], v_smem.at[slot], bar)
+        else:
+            plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
         if stage == "loads_codes":  # attribution: the code tiles' copies alone
             return
         for r, src in enumerate((ks_gmem, kz_gmem, vs_gmem, vz_gmem)):
-            plgpu.copy_gmem_to_smem(src.at[pg, heads_ds, rows], meta_smem.at[r, slot], bar)
+            plgpu.copy_gmem_to_smem(src.at[pg, h, rows], meta_smem.at[r, slot], bar)
 
-    for st in range(stages - 1):
+    for st in range(STAGES - 1):
         pl.when(st < n_steps)(functools.partial(issue, st, st))
 
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
@@ -203,53 +179,40 @@ def _kernel(
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
         return [_plane_to_f16(w, i, bits) for i in range(n)]
 
-    def meta(r, slot, h):
-        return plgpu.load(meta_smem.at[r, slot, h], (), layout=row).astype(jnp.float32)
-
-    def per_head(values, block):
-        """A [tile, N] tile whose column block ``h`` holds ``values[h]`` (a per-row vector)."""
-        out = bcast_row(values[0])
-        for h in range(1, heads):
-            out = jnp.where(block == h, bcast_row(values[h]), out)
-        return out
+    def meta(r, slot):
+        return plgpu.load(meta_smem.at[r, slot], (), layout=row).astype(jnp.float32)
 
     def step(i, carry):
         acc, m_i, l_i, zc = carry
-        slot = lax.rem(i, stages)
-        nxt = i + stages - 1
+        slot = lax.rem(i, STAGES)
+        nxt = i + STAGES - 1
 
         @pl.when(nxt < n_steps)
         def _next():
-            issue(nxt, lax.rem(nxt, stages))
+            issue(nxt, lax.rem(nxt, STAGES))
 
         plgpu.barrier_wait(bars.at[slot])
         if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
             return carry
 
         def keys(acc_ref):
-            # Head h's queries are zero outside its column block: every head accumulates
-            # into the same [tile, N] logits.
-            for h in range(heads):
-                for p, plane in enumerate(planes(k_smem.at[slot, h])):
-                    plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[h, p], (1, 0)))
+            for p, plane in enumerate(planes(k_smem.at[slot])):
+                plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
             plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
-        block = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) // cols
-        ks = per_head([meta(0, slot, h) for h in range(heads)], block)
-        kz = per_head([meta(1, slot, h) for h in range(heads)], block)
-        logits = ks * (raw - kz * bcast_col(qsum))
+        ks, kz = meta(0, slot), meta(1, slot)
+        logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
         tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
         valid = tok < count
         logits = jnp.where(valid, logits, da.NEG_INF)
         m_new = jnp.maximum(m_i, logits.max(axis=0))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits - bcast_col(m_new))
-        vs = per_head([meta(2, slot, h) for h in range(heads)], block)
-        vz = per_head([meta(3, slot, h) for h in range(heads)], block)
-        pv = jnp.where(valid, p * vs, 0.0)  # unused pages may hold NaN scales
-        pvz = jnp.where(valid, pv * vz, 0.0)
+        vs, vz = meta(2, slot), meta(3, slot)
+        pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
+        pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
         # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
         # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
         l_i = l_i * bcast_col(alpha) + p
@@ -259,24 +222,22 @@ def _kernel(
         if value_layout == "dims":
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
-            # but the probabilities, masked to each head's column block.
-            for h in range(heads):
-                p_smem.at[h][...] = jnp.where(block == h, pv, 0.0).astype(jnp.float16)
+            # but the probabilities.
+            v_planes = planes(v_smem.at[slot])
         else:
-            for c, plane in enumerate(planes(v_smem.at[slot, 0])):
+            for c, plane in enumerate(planes(v_smem.at[slot])):
                 v16_smem.at[:, pl.ds(c * width, width)][...] = plane
-            p_smem.at[0][...] = pv.astype(jnp.float16)
+        p_smem[...] = pv.astype(jnp.float16)
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
         acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
 
         def values(acc_ref):
             if value_layout == "dims":
                 kb = tile // n
-                for h in range(heads):  # unpacked head by head: R heads' planes would spill
-                    for c, plane in enumerate(planes(v_smem.at[slot, h])):
-                        plgpu.wgmma(acc_ref, plane, p_smem.at[h, pl.ds(c * kb, kb)])
+                for c, plane in enumerate(v_planes):
+                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
             else:
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem.at[0])
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
             plgpu.wgmma_wait(0)
 
         acc = pl.run_state(values)(plgpu.ACC.init(acc))
@@ -291,13 +252,14 @@ def _kernel(
     )
     acc, m_i, l_i, zc = lax.fori_loop(0, n_steps, step, carry)
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
+    # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
     out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, GROUP_PAD), [1])
     vec_smem.at[0][...] = m_i
     vec_smem.at[1][...] = l_i
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, hg, si])
-    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, hg, si])
-    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, hg, si])
+    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, si])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -311,50 +273,29 @@ def lowbit_partials(
     stage: str = "full",
     value_layout: str = "tokens",
     auto_barriers: bool = False,
-    heads: int | None = None,
-    stages: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]).
+    """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
     ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
-    and denominator, as the Triton body returns them. With ``heads`` (``R``) KV heads per CTA
-    each of the table's ``S`` splits is cut into ``R`` (``S' = S * R``), so as many CTAs run as
-    with one head each. ``heads``/``stages`` None: `heads_per_program` and the deepest ring
-    that leaves two CTAs per SM.
+    and denominator, as the Triton body returns them.
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
     n = layout.codes_per_byte(bits)
     width = d // n
     page = kc.shape[2]
+    s, pps = tab.shape[1], tab.shape[2]
     if not supports(
         head_dim=d, bits=bits, group_size=d // ks.shape[-1], group=group, page_size=page
     ):
         raise ValueError(f"unsupported by the Mosaic GPU body: {d=} {bits=} {page=} {group=}")
     if stage not in STAGES_KINDS:
         raise ValueError(f"stage={stage!r} must be one of {STAGES_KINDS}")
-    r = heads_per_program(hkv, group, value_layout) if heads is None else heads
-    cols = GROUP_PAD // r
-    if r < 1 or hkv % r or group > cols or (r > 1 and value_layout != "dims"):
-        raise ValueError(
-            f"heads={r} KV heads per CTA: needs Hkv={hkv} divisible by it, the group "
-            f"({group}) within {GROUP_PAD} // heads columns, and value_layout='dims' if > 1"
-        )
-    hg = hkv // r
-    if r > 1:  # each split cut into R: the same CTA count as with one head per CTA
-        flat = tab.reshape(b, -1)  # the sequence's pages in order, then padding
-        per = -(-tab.shape[2] // r)
-        splits = -(-flat.shape[1] // per)
-        tab = jnp.pad(flat, ((0, 0), (0, splits * per - flat.shape[1]))).reshape(b, splits, per)
-    s, pps = tab.shape[1], tab.shape[2]
-    # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values. Head
-    # h of a CTA owns columns [h * cols, h * cols + group) and is zero in the others.
+    # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, cols - group), (0, 0))).reshape(b, hg, r, cols, d)
-    eye = jnp.eye(r, dtype=qs.dtype)[None, None, :, :, None, None]
-    q_cols = (qs[:, :, :, None] * eye).reshape(b, hg, r, GROUP_PAD, d)  # [B, Hg, R, N, d]
-    q_planes = q_cols.reshape(b, hg, r, GROUP_PAD, n, width).transpose(0, 1, 2, 4, 3, 5)
-    qsum = jnp.sum(qs.astype(jnp.float32), axis=-1).reshape(b, hg, GROUP_PAD)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
+    q_planes = qs.reshape(b, hkv, GROUP_PAD, n, width).transpose(0, 1, 3, 2, 4)
+    qsum = jnp.sum(qs.astype(jnp.float32), axis=-1)  # [B, Hkv, N]
     qsum = jnp.pad(qsum, ((0, 0), (0, 0), (0, _COPY_WORDS - GROUP_PAD)))
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
@@ -370,18 +311,11 @@ def lowbit_partials(
     if value_layout == "dims":
         if tile != page:
             raise ValueError(f"value_layout='dims' needs {MAX_TILE}-token pages, got {page=}")
-        v_block = (r, d, tile // n)
-        v_transforms = _swizzled(tile // n, 8)
+        v_smem = plgpu.SMEM((STAGES, d, tile // n), jnp.uint8, transforms=_swizzled(tile // n, 8))
         v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
     else:
-        v_block = (r, tile, width)
-        v_transforms = _swizzled(width, 8)
+        v_smem = plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8))
         v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
-    slot_bytes = 2 * r * tile * width + 4 * r * tile * 2
-    if stages is None:  # the deepest ring (<= STAGES) that fits two CTAs per SM
-        fixed = r * tile * GROUP_PAD * 2 + r * d * GROUP_PAD * 2 + _REDUCTION_SCRATCH + 1024
-        fixed += 0 if value_layout == "dims" else tile * d * 2
-        stages = max(2, min(STAGES, (_SMEM_PER_CTA - fixed) // slot_bytes))
     kernel = functools.partial(
         _kernel,
         n=n,
@@ -391,8 +325,6 @@ def lowbit_partials(
         tile=tile,
         stage=stage,
         value_layout=value_layout,
-        heads=r,
-        stages=stages,
     )
     # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
     # step). Safe here: a slot is refilled only in the step after its last reads, and every
@@ -402,47 +334,40 @@ def lowbit_partials(
         reduction_scratch_bytes=_REDUCTION_SCRATCH,
         approx_math=True,
     )
+    ring = plgpu.RefUnion(
+        (
+            plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
+            v_smem,
+            plgpu.SMEM((4, STAGES, tile), jnp.float16),
+            plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+        ),
+        plgpu.SMEM((d, GROUP_PAD), jnp.float32),
+    )
     acc, m, l = plgpu.kernel(
         kernel,
         compiler_params=params,
         out_type=(
-            jax.ShapeDtypeStruct((b, hg, s, d, GROUP_PAD), jnp.float32),
-            jax.ShapeDtypeStruct((b, hg, s, GROUP_PAD), jnp.float32),
-            jax.ShapeDtypeStruct((b, hg, s, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, d, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
         ),
-        grid=(b, hg, s),
+        grid=(b, hkv, s),
         grid_names=("b", "h", "s"),
         scratch_types=dict(
-            q_smem=plgpu.SMEM(
-                (r, n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)
-            ),
+            q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
             qsum_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
             tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
-            ring=plgpu.RefUnion(
-                (
-                    plgpu.SMEM((stages, r, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
-                    plgpu.SMEM((stages,) + v_block, jnp.uint8, transforms=v_transforms),
-                    plgpu.SMEM((4, stages, r, tile), jnp.float16),
-                    plgpu.SMEM(
-                        (r, tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)
-                    ),
-                ),
-                plgpu.SMEM((d, GROUP_PAD), jnp.float32),
-            ),
+            ring=ring,
             v16_smem=v16_smem,
             vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
-            bar_in=plgpu.Barrier(num_arrivals=2 + r, num_barriers=1),
+            bar_in=plgpu.Barrier(num_arrivals=3, num_barriers=1),
             bars=plgpu.Barrier(
-                num_arrivals=2 * r + (0 if stage == "loads_codes" else 4), num_barriers=stages
+                num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES
             ),
         ),
     )(q_planes, qsum, kc, vc, *metas, tab_ext)
-    # Column block h of CTA (b, g) is KV head g * R + h.
-    acc = acc.reshape(b, hg, s, d, r, cols)[..., :group]  # [B, Hg, S, d, R, group]
-    acc = acc.transpose(0, 1, 4, 2, 5, 3).reshape(b, hkv, s, group, d)
-    m = m.reshape(b, hg, s, r, cols)[..., :group].transpose(0, 1, 3, 2, 4)
-    l = l.reshape(b, hg, s, r, cols)[..., :group].transpose(0, 1, 3, 2, 4)
-    return acc, m.reshape(b, hkv, s, group), l.reshape(b, hkv, s, group)
+    acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
+    return acc, m[..., :group], l[..., :group]
 
 
 # ------------------------------------------------------------------------------------------
