@@ -326,7 +326,15 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     fields = {f.name: f for f in dataclasses.fields(RetrievalConfig)}
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
     rows = [r for p in payloads for r in p["rows"]]
-    kw.update(tasks=tuple(dict.fromkeys(r["task"] for r in rows)), merge=tuple(paths), out=out)
+    kw.update(
+        tasks=tuple(dict.fromkeys(r["task"] for r in rows)),
+        lengths=tuple(sorted({r["length"] for r in rows})),
+        methods=tuple(
+            dict.fromkeys(r["transform"] for r in rows if r["transform"] != common.FULL_PRECISION)
+        ),
+        merge=tuple(paths),
+        out=out,
+    )
     cfg = RetrievalConfig(**kw)
     payload = dict(
         payloads[0],
