@@ -298,7 +298,8 @@ def test_layer_quant_pools_and_validation():
     d = CFG.head_dim
     shapes = [(p.k_low[0].shape[-1], p.k_low[1].dtype, p.v_low[0].shape[-1], p.v_low[1].dtype)
               for p in cache.pools]  # fmt: skip
-    assert shapes == [(d // 4, jnp.uint8, d // 2, jnp.float16), (d, jnp.float16, d // 4, jnp.uint8)]
+    want = [(d // 4, jnp.uint8, d // 2, jnp.float16), (3 * d // 8, jnp.float16, d // 4, jnp.uint8)]
+    assert shapes == want  # 3 bits: bit-sliced rows
     assert [cache.policy(i).quant.bits for i in range(2)] == [2, 3]
     with pytest.raises(ValueError, match="layer_quant has 1 layers, the model 2"):
         PagedKVCache.create(CFG, dataclasses.replace(cc, layer_quant=lq[:1]), cache.transforms, 1)
