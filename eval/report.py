@@ -173,6 +173,10 @@ def _retrieval_targets(ret: dict) -> list[str]:
         if not methods or not fp:
             continue
         by = {(r["transform"], r["length"]): r for r in quant}
+        methods = [m for m in methods if all((m, n) in by for n in lengths)]
+        if not methods:
+            out.append(f"- {task}: no 2-bit method was measured at every length {lengths}.")
+            continue
         worst = {m: min(by[(m, n)]["change_vs_fp"] for n in lengths) for m in methods}
         best = max(methods, key=lambda m: worst[m])
         trials = min(r["trials"] for r in tr)

@@ -325,7 +325,12 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     conf = payloads[0]["config"]
     fields = {f.name: f for f in dataclasses.fields(RetrievalConfig)}
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
-    rows = [r for p in payloads for r in p["rows"]]
+    rows, seen = [], set()
+    for r in (r for p in payloads for r in p["rows"]):
+        key = (r["task"], r["transform"], r["length"], r["quantizer"], r["bits"], r["windows"])
+        if key not in seen:  # a setting measured twice (full precision in every run): the first
+            seen.add(key)
+            rows.append(r)
     kw.update(
         tasks=tuple(dict.fromkeys(r["task"] for r in rows)),
         lengths=tuple(sorted({r["length"] for r in rows})),
@@ -484,8 +489,12 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
             f"{'/'.join(map(str, cfg.windows))}, prefill {cfg.chunk} tokens per call, answer "
             f"decoded token by token.\n"
         )
-        table = [[m] + [cell(by[(m, L)]) for L in lengths] for m in names]
-        secs = [[m] + [f"{by[(m, L)]['seconds_per_trial']:.1f}" for L in lengths] for m in names]
+        table = [[m] + [cell(by[(m, L)]) if (m, L) in by else "-" for L in lengths] for m in names]
+        secs = [
+            [m]
+            + [f"{by[(m, L)]['seconds_per_trial']:.1f}" if (m, L) in by else "-" for L in lengths]
+            for m in names
+        ]
         parts += [
             head,
             common.markdown_table(["transform"] + [f"{L} tokens" for L in lengths], table),

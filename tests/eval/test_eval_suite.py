@@ -266,6 +266,13 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     merged = retrieval.main(retrieval.RetrievalConfig(merge=tuple(both), out=str(tmp_path / "m")))
     assert merged["rows"] == rows
     assert (tmp_path / "m" / "retrieval.md").read_text() == md
+    # A second run's repeated full-precision rows are dropped; a length one method lacks is "-".
+    longer = [dict(r, length=640) for r in rows if r["transform"] != "identity"]
+    (tmp_path / "longer.json").write_text(json.dumps(dict(payload, rows=rows + longer)))
+    merged = retrieval.merge_runs([both[0], str(tmp_path / "longer.json")], str(tmp_path / "m"))
+    assert len(merged["rows"]) == len(rows) + len(longer)
+    assert "| identity | " in (tmp_path / "m" / "retrieval.md").read_text()
+    assert " | - |" in (tmp_path / "m" / "retrieval.md").read_text()
 
 
 def test_retrieval_batching_does_not_change_the_answers(lm, calib_dir):
@@ -569,6 +576,10 @@ def test_report_retrieval_target_takes_the_best_method_at_its_worst_length():
     assert "**missed**" in line and "-10 points" in line
     (line,) = report._retrieval_targets(_fake_retrieval_rows({"wush": [0.0, 0.0]}, trials=3))
     assert "**missed**" in line and "3 trials per cell" in line
+    ret = _fake_retrieval_rows({"wush": [0.0, 0.0], "identity": [-0.5, -0.5]})
+    ret["rows"] = [r for r in ret["rows"] if not (r["transform"] == "wush" and r["length"] == 2048)]
+    (line,) = report._retrieval_targets(ret)
+    assert "identity" in line and "**missed**" in line  # wush lacks 2048 tokens: not certified
 
 
 def test_report_perplexity_seconds_lists_every_row_and_full_precision():
