@@ -75,3 +75,59 @@ def causal_mask(
     if window is not None:
         mask &= diff < window
     return mask
+
+
+# ------------------------------------------------------------------------------------------
+# Blocked attention: partial softmax state per key block, merged flash-style
+# ------------------------------------------------------------------------------------------
+# A partial over one key block: (m f32[B, K, G, T] running max (-inf where no key is valid),
+# l f32[B, K, G, T] sum of exp(s - m), acc f32[B, K, G, T, d] sum of exp(s - m) v).
+Partial = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def attention_partial(
+    qg: jax.Array,  # f32[B, T, K, G, d] grouped queries
+    k: jax.Array,  # f[B, S, K, d]
+    v: jax.Array,  # f[B, S, K, d]
+    mask: jax.Array,  # bool[B, T, S]
+    *,
+    sm_scale: float,
+) -> Partial:
+    """Softmax state of the queries over one block of keys; masked slots (NaN or garbage
+    included) never reach it. Only this block's ``[T, S]`` scores exist at once."""
+    keep = mask.any(axis=1)[:, :, None, None]
+    k32 = jnp.where(keep, k.astype(jnp.float32), 0.0)
+    v32 = jnp.where(keep, v.astype(jnp.float32), 0.0)
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k32) * sm_scale
+    m = mask[:, None, None, :, :]
+    s = jnp.where(m, s, -jnp.inf)
+    s_max = jnp.max(s, axis=-1)
+    p = jnp.where(m, jnp.exp(s - jnp.where(jnp.isfinite(s_max), s_max, 0.0)[..., None]), 0.0)
+    return s_max, jnp.sum(p, axis=-1), jnp.einsum("BKGTS,BSKH->BKGTH", p, v32)
+
+
+def empty_partial(qg: jax.Array) -> Partial:
+    """The state before any key: max -inf, nothing summed."""
+    b, t, kh, g, d = qg.shape
+    return (
+        jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kh, g, t), jnp.float32),
+        jnp.zeros((b, kh, g, t, d), jnp.float32),
+    )
+
+
+def merge_partials(a: Partial, b: Partial) -> Partial:
+    """Softmax state over both blocks' keys. Merging a block with no valid key leaves the
+    other state bit-identical (its weight is exactly 0, the other's exactly 1)."""
+    m = jnp.maximum(a[0], b[0])
+    safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa = jnp.where(jnp.isfinite(a[0]), jnp.exp(a[0] - safe), 0.0)
+    wb = jnp.where(jnp.isfinite(b[0]), jnp.exp(b[0] - safe), 0.0)
+    return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
+
+
+def finish_partial(state: Partial, q_shape: tuple[int, ...]) -> jax.Array:
+    """f32[B, T, Hq, d] output of a merged state; rows that saw no key are zeros."""
+    _, l, acc = state
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, K, G, T, d]
+    return o.transpose(0, 3, 1, 2, 4).reshape(q_shape)

@@ -47,13 +47,21 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.attention import grouped_attention
+from kvjax.cache.attention import (
+    attention_partial,
+    empty_partial,
+    finish_partial,
+    merge_partials,
+    split_heads_by_group,
+)
 from kvjax.cache.quantizers import QuantConfig, QuantizedArray, dequantize, quantize
 from kvjax.cache.transforms import KVTransforms
 from kvjax.config import ModelConfig
 from pallas_kernels import layout as lay
 
 SLIDING_LAYER_POLICIES: tuple[str, ...] = ("full_precision", "quantized")
+# Low-bit tokens the reference path dequantizes and scores at once (one online-softmax block).
+LOWBIT_KEY_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,37 +437,58 @@ class PagedKVCache:
 
     # ---- attention paths ----------------------------------------------------------------
     def _reference_attend(self, pools, q_t, k_t, v_t, positions, pol: LayerPolicy) -> jax.Array:
-        """Dequantize stored tokens and attend: [stored fp | stored low-bit | new (causal)]."""
+        """Dequantize stored tokens and attend: [stored fp | stored low-bit | new (causal)].
+
+        One online softmax over the three segments (`attention_partial` / `merge_partials`).
+        The low-bit pages are read `LOWBIT_KEY_BLOCK` tokens at a time and only up to the
+        longest sequence's low-bit segment, so a prefill chunk never holds more than one
+        block's scores in float32, nor dequantizes pages past the stored tokens (a table
+        sized for `max_seq_len` costs nothing beyond what the sequences hold).
+        """
         plan = self.plan
-        b, t = positions.shape
+        sink = self.cfg.sink
+        qg = split_heads_by_group(q_t.astype(jnp.float32), k_t.shape[2])
+        d = k_t.shape[-1]
+
+        def visible(kv_pos, valid):  # i32[B, S] positions, bool[B, S] -> bool[B, T, S]
+            mask = valid[:, None, :]
+            if pol.window is not None:
+                mask = mask & (positions[:, :, None] - kv_pos[:, None, :] < pol.window)
+            return mask
+
+        def attend(state, k, v, mask):
+            part = attention_partial(qg, k, v, mask, sm_scale=self.sm_scale)
+            return merge_partials(state, part)
+
+        # Stored slots' positions come from the plan: fp slot i is sink position i or recent
+        # position i + low_len (recent pages start at quant_end = sink + low_len); low-bit
+        # slot j is position sink + j. New tokens carry their own positions.
         kf = _gather_pages(pools.k_fp, plan.fp_table)  # [B, M_fp*P, K, d]
         vf = _gather_pages(pools.v_fp, plan.fp_table)
-        kq = _read_low(pools.k_low, plan.low_table, pol.quant, k_t.shape[-1])
-        vq = _read_low(pools.v_low, plan.low_table, pol.quant_v, k_t.shape[-1])
-        n_fp, n_q = kf.shape[1], kq.shape[1]
-        fp_valid = jnp.arange(n_fp)[None, :] < plan.fp_len[:, None]
-        q_valid = jnp.arange(n_q)[None, :] < plan.low_len[:, None]
+        i_fp = jnp.arange(kf.shape[1], dtype=jnp.int32)[None, :]
+        fp_pos = i_fp + jnp.where(i_fp >= sink, plan.low_len[:, None], 0)
+        state = attend(empty_partial(qg), kf, vf, visible(fp_pos, i_fp < plan.fp_len[:, None]))
         causal = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
-        mask = jnp.concatenate(
-            [
-                jnp.broadcast_to(fp_valid[:, None, :], (b, t, n_fp)),
-                jnp.broadcast_to(q_valid[:, None, :], (b, t, n_q)),
-                causal,
-            ],
-            axis=-1,
-        )
-        if pol.window is not None:
-            # Positions of the stored slots, from the plan: fp slot i is sink position i or
-            # recent position i + low_len (recent pages start at quant_end = sink + low_len);
-            # low-bit slot j is position sink + j. New tokens carry their own positions.
-            i_fp = jnp.arange(n_fp, dtype=jnp.int32)[None, :]
-            fp_pos = i_fp + jnp.where(i_fp >= self.cfg.sink, plan.low_len[:, None], 0)
-            low_pos = jnp.broadcast_to(self.cfg.sink + jnp.arange(n_q, dtype=jnp.int32), (b, n_q))
-            kv_pos = jnp.concatenate([fp_pos, low_pos, positions], axis=1)  # [B, S]
-            mask &= positions[:, :, None] - kv_pos[:, None, :] < pol.window
-        keys = jnp.concatenate([kf.astype(jnp.float32), kq, k_t], axis=1)
-        vals = jnp.concatenate([vf.astype(jnp.float32), vq, v_t], axis=1)
-        return grouped_attention(q_t, keys, vals, mask, sm_scale=self.sm_scale)
+        new_mask = visible(positions, jnp.ones_like(positions, bool)) & causal
+        state = attend(state, k_t, v_t, new_mask)
+
+        table = plan.low_table  # [B, M_q]
+        if table.shape[1]:
+            page = pools.k_fp.shape[2]
+            per = max(1, LOWBIT_KEY_BLOCK // page)  # pages per block
+            table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % per)))
+            n_blocks = (jnp.max(plan.low_len) + per * page - 1) // (per * page)
+
+            def block(j, state):
+                tab = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)
+                kq = _read_low(pools.k_low, tab, pol.quant, d)  # f32[B, per*P, K, d]
+                vq = _read_low(pools.v_low, tab, pol.quant_v, d)
+                idx = j * per * page + jnp.arange(per * page, dtype=jnp.int32)[None, :]
+                low_pos = jnp.broadcast_to(sink + idx, (qg.shape[0], per * page))
+                return attend(state, kq, vq, visible(low_pos, idx < plan.low_len[:, None]))
+
+            state = jax.lax.fori_loop(0, n_blocks, block, state)
+        return finish_partial(state, q_t.shape)
 
     def _per_kv_shard(self, fn, args, kinds):
         """Runs a kernel call on each device's KV heads when the cache has a "model" mesh axis.
