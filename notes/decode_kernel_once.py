@@ -5,8 +5,11 @@
     ncu --clock-control none --metrics gpu__time_duration.sum \
         python3 notes/decode_kernel_once.py int2_pallas 1x65536     # every kernel of one call
 
-VARIANT is a row name of `eval.bench_decode.LOWBIT_VARIANTS`; the inputs (cache split into
-sink/recent full-precision and low-bit pages, random transforms) are the benchmark's own, at
+VARIANT is a row name of `eval.bench_decode.LOWBIT_VARIANTS`, or ``mosaic_split:STAGE`` (the
+Mosaic split kernel alone, 2 bits, 128-token dimension-major pages, computing STAGE of
+`gpu_mosaic.STAGES_KINDS`: what `eval.bench_decode`'s ``mosaic_stages`` rows time); the
+inputs (cache split into sink/recent full-precision and low-bit pages, random transforms) are
+the benchmark's own, at
 BATCHxCONTEXT (default 8x16384). The call is compiled and run once before the profiled call, so
 a profile of the last launches (``--launch-skip`` or the listing's tail) shows steady state.
 `notes/device_run.sh` steps ``ncu`` and ``kernels`` use it. Dumping the kernel's PTX through XLA
@@ -20,6 +23,30 @@ from __future__ import annotations
 
 import os
 import sys
+
+
+def run_split_once(stage: str, batch: int, ctx: int) -> None:
+    import jax
+
+    from eval import bench_decode as bd
+    from pallas_kernels import decode_attention as da
+    from pallas_kernels.decode_attention import api
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    cfg = bd.BenchConfig()
+    x = bd._make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.key(0), 128, "dims")
+    splits = da.lowbit_auto_splits(batch, cfg.kv_heads, x["q_page_table"].shape[1], 1)
+    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+    ls = tuple(x[k] for k in names) + (api._split_table(x["q_page_table"], splits, 1), x["q_len"])
+    group = cfg.q_heads // cfg.kv_heads
+    qg = jax.random.normal(jax.random.key(1), (batch, cfg.kv_heads, group, cfg.head_dim))
+    f = jax.jit(
+        lambda qg, ls: gm.lowbit_partials(
+            qg, ls, bits=2, scale_log2=0.1, group=group, stage=stage, value_layout="dims"
+        )
+    )
+    for _ in range(2):
+        jax.block_until_ready(f(qg, ls))
 
 
 def run_once(name: str, batch: int, ctx: int) -> None:
@@ -43,11 +70,16 @@ def run_once(name: str, batch: int, ctx: int) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from eval.bench_decode import LOWBIT_VARIANTS
+    from pallas_kernels.decode_attention.gpu_mosaic import STAGES_KINDS
 
-    if len(sys.argv) not in (2, 3) or sys.argv[1] not in LOWBIT_VARIANTS:
+    split_names = [f"mosaic_split:{k}" for k in STAGES_KINDS]
+    if len(sys.argv) not in (2, 3) or sys.argv[1] not in [*LOWBIT_VARIANTS, *split_names]:
         raise SystemExit(
             f"usage: decode_kernel_once.py VARIANT [BATCHxCONTEXT], VARIANT one of "
-            f"{sorted(LOWBIT_VARIANTS)}"
+            f"{sorted(LOWBIT_VARIANTS) + split_names}"
         )
     b, c = (int(v) for v in (sys.argv[2] if len(sys.argv) == 3 else "8x16384").split("x"))
-    run_once(sys.argv[1], b, c)
+    if sys.argv[1].startswith("mosaic_split:"):
+        run_split_once(sys.argv[1].split(":", 1)[1], b, c)
+    else:
+        run_once(sys.argv[1], b, c)

@@ -2,7 +2,8 @@
 # One batched device call (see notes/device_runs.md): GPU correctness, benchmark, ncu, Engine.
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
-# steps: comma-separated from tests, mosaic, sweep, suite, bench, ncu (NCU_VARIANTS), kernels,
+# steps: comma-separated from tests, mosaic, sweep, suite, bench, ncu (NCU_VARIANTS), ncumosaic
+# (NCU_MOSAIC_STAGES at NCU_POINT), kernels,
 # paged, engine. suite = the README's test command (CI subset) on the GPU machine, 8 workers.
 # sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
 # workers on the one GPU when pytest-xdist is there or its wheels were carried in .whl/.
@@ -63,6 +64,18 @@ if [[ $steps == *ncu* ]]; then
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
       python3 notes/decode_kernel_once.py $v > "$out/ncu_$v.txt" 2>&1
     echo "ncu $v rc=$?" >> "$out/gpu.txt"
+  done
+fi
+if [[ $steps == *ncumosaic* ]]; then
+  # The Mosaic split kernel alone per stage (loads only ... everything) under ncu: DRAM and L2
+  # throughput, TMA/barrier stalls, occupancy: why the TMA ring alone reads 64% of the ceiling.
+  for st in ${NCU_MOSAIC_STAGES:-loads full}; do
+    timeout 150 ncu --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 \
+      --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section SpeedOfLight \
+      python3 notes/decode_kernel_once.py mosaic_split:$st ${NCU_POINT:-8x131072} \
+      > "$out/ncu_mosaic_$st.txt" 2>&1
+    echo "ncu mosaic $st rc=$?" >> "$out/gpu.txt"
   done
 fi
 if [[ $steps == *kernels* ]]; then
