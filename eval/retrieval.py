@@ -466,9 +466,13 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
     parts = []
     for task in dict.fromkeys(r["task"] for r in rows):
         tr = [r for r in rows if r["task"] == task]
-        lengths = list(dict.fromkeys(r["length"] for r in tr))
-        names = list(dict.fromkeys(r["transform"] for r in tr))
-        by = {(r["transform"], r["length"]): r for r in tr}
+        lengths = sorted(dict.fromkeys(r["length"] for r in tr))
+        # Rows at another width than the table's (joined runs) are named with it.
+        label = lambda r: (  # noqa: E731
+            r["transform"] if r["bits"] in (None, cfg.bits) else f"{r['transform']} {r['bits']}-bit"
+        )
+        names = list(dict.fromkeys(label(r) for r in tr))
+        by = {(label(r), r["length"]): r for r in tr}
         n = tr[0]["trials"]
         what = (
             f"Passkey retrieval: one {cfg.key_digits}-digit key"

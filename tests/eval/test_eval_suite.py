@@ -273,6 +273,10 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     assert len(merged["rows"]) == len(rows) + len(longer)
     assert "| identity | " in (tmp_path / "m" / "retrieval.md").read_text()
     assert " | - |" in (tmp_path / "m" / "retrieval.md").read_text()
+    four = [dict(r, bits=4) for r in rows if r["transform"] == "wush"]
+    (tmp_path / "four.json").write_text(json.dumps(dict(payload, rows=four)))
+    retrieval.merge_runs([both[0], str(tmp_path / "four.json")], str(tmp_path / "m"))
+    assert "| wush 4-bit | " in (tmp_path / "m" / "retrieval.md").read_text()
 
 
 def test_retrieval_batching_does_not_change_the_answers(lm, calib_dir):
