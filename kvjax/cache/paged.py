@@ -443,7 +443,8 @@ class PagedKVCache:
         The low-bit pages are read `LOWBIT_KEY_BLOCK` tokens at a time and only up to the
         longest sequence's low-bit segment, so a prefill chunk never holds more than one
         block's scores in float32, nor dequantizes pages past the stored tokens (a table
-        sized for `max_seq_len` costs nothing beyond what the sequences hold).
+        sized for `max_seq_len` costs nothing beyond what the sequences hold); a sliding
+        layer starts at the first block its oldest query's window reaches.
         """
         plan = self.plan
         sink = self.cfg.sink
@@ -478,6 +479,10 @@ class PagedKVCache:
             per = max(1, LOWBIT_KEY_BLOCK // page)  # pages per block
             table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % per)))
             n_blocks = (jnp.max(plan.low_len) + per * page - 1) // (per * page)
+            first = 0  # a sliding layer skips the blocks below every query's window
+            if pol.window is not None:
+                oldest = jnp.min(positions) - pol.window + 1 - sink  # low-bit slot index
+                first = jnp.maximum(oldest, 0) // (per * page)
 
             def block(j, state):
                 tab = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)
@@ -487,7 +492,7 @@ class PagedKVCache:
                 low_pos = jnp.broadcast_to(sink + idx, (qg.shape[0], per * page))
                 return attend(state, kq, vq, visible(low_pos, idx < plan.low_len[:, None]))
 
-            state = jax.lax.fori_loop(0, n_blocks, block, state)
+            state = jax.lax.fori_loop(first, n_blocks, block, state)
         return finish_partial(state, q_t.shape)
 
     def _per_kv_shard(self, fn, args, kinds):
