@@ -379,10 +379,10 @@ MIN_GROUP_PAD = GROUP_PAD
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = ("tma",)
-INT_TO_FLOAT = ("convert",)
+INT_TO_FLOAT = ("exponent",)  # `_plane_to_f16`
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "tma"
-DEFAULT_INT_TO_FLOAT = "convert"
+DEFAULT_INT_TO_FLOAT = "exponent"
 DEFAULT_ROW_SUMS = "deferred"
 DEFAULT_PAGES_PER_BLOCK = 1  # split-table unit: a low-bit page is one or more whole tiles
 
