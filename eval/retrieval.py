@@ -353,6 +353,22 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     return payload
 
 
+def _payload(cfg: RetrievalConfig, lm: LoadedModel, lengths, rows: list[dict], seconds) -> dict:
+    return dict(
+        eval="retrieval",
+        config=dataclasses.asdict(cfg),
+        lengths=list(lengths),
+        model=common.model_info(lm),
+        environment=common.environment(),
+        seconds=seconds,
+        prompt=dict(
+            passkey=dict(intro=INTRO, needle=NEEDLE, question=QUESTION, answer=ANSWER),
+            niah=dict(intro=NIAH_INTRO, needle=NIAH_NEEDLE, question=NIAH_QUESTION, answer=ANSWER),
+        ),
+        rows=rows,
+    )
+
+
 def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
     """Runs every (task, length, setting) and writes retrieval.{json,md}; returns the payload."""
     if cfg.merge:
@@ -432,20 +448,9 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-    payload = dict(
-        eval="retrieval",
-        config=dataclasses.asdict(cfg),
-        lengths=list(lengths),
-        model=common.model_info(lm),
-        environment=common.environment(),
-        seconds=time.perf_counter() - t0,
-        prompt=dict(
-            passkey=dict(intro=INTRO, needle=NEEDLE, question=QUESTION, answer=ANSWER),
-            niah=dict(intro=NIAH_INTRO, needle=NIAH_NEEDLE, question=NIAH_QUESTION, answer=ANSWER),
-        ),
-        rows=rows,
-    )
-    common.write_results(cfg.out, "retrieval", payload, to_markdown(rows, cfg))
+                # Rewritten after every row: a long CPU run keeps what it has measured so far.
+                payload = _payload(cfg, lm, lengths, rows, time.perf_counter() - t0)
+                common.write_results(cfg.out, "retrieval", payload, to_markdown(rows, cfg))
     return payload
 
 
