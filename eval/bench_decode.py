@@ -242,10 +242,11 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
         caches = []
         for r in range(copies_for(nbytes)):
             x = _make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.fold_in(key, r), page_q, vl)
-            splits = da.lowbit_auto_splits(batch, cfg.kv_heads, x["q_page_table"].shape[1], 1)
-            tab = da_api._split_table(x["q_page_table"], splits, 1)
-            names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
-            caches.append(dict(ls=tuple(x[k] for k in names) + (tab, x["q_len"])))
+            low = x["lowbit"]
+            splits = da.lowbit_auto_splits(batch, cfg.kv_heads, low.table.shape[1], 1)
+            tab = da_api._split_table(low.table, splits, 1)
+            (kc, ks, kz), (vc, vs, vz) = low.k, low.v
+            caches.append(dict(ls=(kc, vc, ks, kz, vs, vz, tab, low.length)))
         qs = [
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
@@ -300,7 +301,8 @@ def _make_lowbit_inputs(
     page_q: int | None = None,
     value_layout: str = "tokens",
 ) -> dict:
-    """Random pools of one layer; low-bit pages hold ``page_q`` tokens (default: page_size),
+    """Random pools of one layer (``q``, ``fp``, ``lowbit``, ``transforms``: the arguments of
+    `decode_attention`); low-bit pages hold ``page_q`` tokens (default: page_size),
     value codes in ``value_layout`` (`pallas_kernels.layout.VALUE_LAYOUTS`)."""
     d, hkv, page = cfg.head_dim, cfg.kv_heads, cfg.page_size
     n = layout.codes_per_byte(bits)
@@ -313,24 +315,33 @@ def _make_lowbit_inputs(
     codes_shape = (q_pages, hkv, page_q, d // n)
     v_shape = codes_shape if value_layout == "tokens" else (q_pages, hkv, d, page_q // n)
     meta = (q_pages, hkv, page_q, 1)
-    return dict(
-        q=jax.random.normal(ks[0], (batch, cfg.q_heads, d), jnp.bfloat16),
-        k_fp=jax.random.normal(ks[1], (batch * pf, hkv, page, d), jnp.bfloat16),
-        v_fp=jax.random.normal(ks[2], (batch * pf, hkv, page, d), jnp.bfloat16),
-        fp_page_table=jnp.arange(batch * pf, dtype=jnp.int32).reshape(batch, pf),
-        fp_len=jnp.full((batch,), n_fp, jnp.int32),
-        k_codes=jax.random.randint(ks[3], codes_shape, 0, 256, jnp.int32).astype(jnp.uint8),
-        v_codes=jax.random.randint(ks[4], v_shape, 0, 256, jnp.int32).astype(jnp.uint8),
-        k_scale=jax.random.uniform(ks[5], meta, f16, 0.01, 0.1),
-        k_zero=jax.random.uniform(ks[6], meta, f16, 0.0, 2.0**bits - 1),
-        v_scale=jax.random.uniform(ks[7], meta, f16, 0.01, 0.1),
-        v_zero=jax.random.uniform(ks[5], meta, f16, 0.0, 2.0**bits - 1),
-        # A shuffled page table: real caches do not hand out pages in order.
-        q_page_table=jax.random.permutation(ks[6], q_pages).astype(jnp.int32).reshape(batch, pq),
-        q_len=jnp.full((batch,), n_q, jnp.int32),
-        query_transform=jnp.linalg.qr(jax.random.normal(ks[0], (hkv, d, d)))[0],
-        value_inverse=jnp.linalg.qr(jax.random.normal(ks[1], (hkv, d, d)))[0],
+    fp = da.FpPages(
+        k=jax.random.normal(ks[1], (batch * pf, hkv, page, d), jnp.bfloat16),
+        v=jax.random.normal(ks[2], (batch * pf, hkv, page, d), jnp.bfloat16),
+        table=jnp.arange(batch * pf, dtype=jnp.int32).reshape(batch, pf),
+        length=jnp.full((batch,), n_fp, jnp.int32),
     )
+    lowbit = da.LowbitPages(
+        k=da.QuantizedPages(
+            jax.random.randint(ks[3], codes_shape, 0, 256, jnp.int32).astype(jnp.uint8),
+            jax.random.uniform(ks[5], meta, f16, 0.01, 0.1),
+            jax.random.uniform(ks[6], meta, f16, 0.0, 2.0**bits - 1),
+        ),
+        v=da.QuantizedPages(
+            jax.random.randint(ks[4], v_shape, 0, 256, jnp.int32).astype(jnp.uint8),
+            jax.random.uniform(ks[7], meta, f16, 0.01, 0.1),
+            jax.random.uniform(ks[5], meta, f16, 0.0, 2.0**bits - 1),
+        ),
+        # A shuffled page table: real caches do not hand out pages in order.
+        table=jax.random.permutation(ks[6], q_pages).astype(jnp.int32).reshape(batch, pq),
+        length=jnp.full((batch,), n_q, jnp.int32),
+    )
+    transforms = da.HeadTransforms(
+        jnp.linalg.qr(jax.random.normal(ks[0], (hkv, d, d)))[0],
+        jnp.linalg.qr(jax.random.normal(ks[1], (hkv, d, d)))[0],
+    )
+    q = jax.random.normal(ks[0], (batch, cfg.q_heads, d), jnp.bfloat16)
+    return dict(q=q, fp=fp, lowbit=lowbit, transforms=transforms)
 
 
 def _dense_attention(q, k, v, sm_scale):
@@ -382,7 +393,7 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # were deleted; their rows are in notes/benchmarks_history.md).
     # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
-    "int2_fp_segment_only": (2, {}, dict(q_len=0)),
+    "int2_fp_segment_only": (2, {}, dict(lowbit_len=0)),
     # Launch shape.
     "int2_ppb16": (2, dict(pages_per_block=16), {}),
     "int2_ppb4": (2, dict(pages_per_block=4), {}),
@@ -428,9 +439,12 @@ def lowbit_variant(cfg: BenchConfig, batch: int, ctx: int, name: str) -> tuple[i
 
 
 def with_overrides(x: dict, override: dict, batch: int) -> dict:
-    """Inputs of a variant row: ``q_len`` overridden means no low-bit tokens at all."""
+    """Inputs of a variant row: ``lowbit_len`` overridden means no low-bit tokens at all."""
     for k, v in override.items():
-        x[k] = jnp.zeros((batch,), jnp.int32) if k == "q_len" else v
+        if k == "lowbit_len":
+            x["lowbit"] = x["lowbit"]._replace(length=jnp.zeros((batch,), jnp.int32))
+        else:
+            x[k] = v
     return x
 
 
@@ -532,7 +546,8 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
             paged = [dict(k=to_pages(c["k"]), v=to_pages(c["v"])) for c in dense]
 
             def call_pallas(c, q):
-                return da.decode_attention_bf16(q, c["k"], c["v"], tab, lens, sm_scale=sm, **tune)
+                fp = da.FpPages(c["k"], c["v"], tab, lens)
+                return da.decode_attention_bf16(q, fp, sm_scale=sm, **tune)
 
             record("bf16_pallas", lambda: _time_unrolled(call_pallas, paged, qs, cfg), bf16_bytes)
             del paged
@@ -685,8 +700,8 @@ def tune_lowbit(cfg: BenchConfig, ceiling: float) -> list[dict]:
             num_stages=cfg.num_stages,
         )
         runs = [("int2", 2, {}, base), ("int4", 4, {}, base)]
-        runs.append(("int2_no_transforms", 2, dict(query_transform=None, value_inverse=None), base))
-        runs.append(("int2_fp_segment_only", 2, dict(q_len=jnp.zeros((batch,), jnp.int32)), base))
+        runs.append(("int2_no_transforms", 2, dict(transforms=None), base))
+        runs.append(("int2_fp_segment_only", 2, dict(lowbit_len=0), base))
         for ppb in (8, 16, 32):
             for splits in (None, 4 * _auto(cfg, batch, ctx, ppb)):
                 for warps in (4, 8):
@@ -699,7 +714,7 @@ def tune_lowbit(cfg: BenchConfig, ceiling: float) -> list[dict]:
                         )
                         runs.append(("int2_tune", 2, {}, t))
         for name, bits, override, t in runs:
-            x = dict(xs[bits], **override)
+            x = with_overrides(dict(xs[bits]), override, batch)
             nbytes = _bytes_lowbit(cfg, batch, ctx, bits)[0]
             row = dict(variant=name, batch=batch, context=ctx, bytes_read=nbytes, **t)
             try:

@@ -35,9 +35,10 @@ def run_split_once(stage: str, batch: int, ctx: int) -> None:
 
     cfg = bd.BenchConfig()
     x = bd._make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.key(0), 128, "dims")
-    splits = da.lowbit_auto_splits(batch, cfg.kv_heads, x["q_page_table"].shape[1], 1)
-    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
-    ls = tuple(x[k] for k in names) + (api._split_table(x["q_page_table"], splits, 1), x["q_len"])
+    low = x["lowbit"]
+    splits = da.lowbit_auto_splits(batch, cfg.kv_heads, low.table.shape[1], 1)
+    (kc, ks, kz), (vc, vs, vz) = low.k, low.v
+    ls = (kc, vc, ks, kz, vs, vz, api._split_table(low.table, splits, 1), low.length)
     group = cfg.q_heads // cfg.kv_heads
     qg = jax.random.normal(jax.random.key(1), (batch, cfg.kv_heads, group, cfg.head_dim))
     f = jax.jit(

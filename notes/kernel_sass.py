@@ -117,8 +117,11 @@ def dump_ttir(variant: str, out_dir: str) -> tuple[str, dict]:
     real = da.decode_attention_variant
 
     def lower_only(**kw):
-        arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
-        static = {k: v for k, v in kw.items() if not isinstance(v, jax.Array)}
+        def traced(v):  # arrays and the page-set pytrees (NamedTuples of arrays)
+            return isinstance(v, (jax.Array, tuple))
+
+        arrays = {k: v for k, v in kw.items() if traced(v)}
+        static = {k: v for k, v in kw.items() if not traced(v)}
         jax.jit(lambda a: real(**a, **static)).trace(arrays).lower(lowering_platforms=("cuda",))
         return _Done()
 

@@ -524,7 +524,7 @@ class PagedKVCache:
 
     def _pallas_decode(self, layer, q, pools: LayerPools, pol: LayerPolicy) -> jax.Array:
         """Single-token decode through the Pallas kernel, reading packed pages directly."""
-        from pallas_kernels.decode_attention import decode_attention  # lazy: optional path
+        from pallas_kernels import decode_attention as da  # lazy: optional path
 
         plan, cfg, tf = self.plan, self.cfg, self.transforms
         if cfg.quant is None and cfg.all_full_precision:
@@ -540,9 +540,12 @@ class PagedKVCache:
 
         def run(q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
                 bk_t, bv):  # fmt: skip
-            return decode_attention(
-                q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
-                bk_t, bv, bits=bits_k, bits_v=None if bits_v == bits_k else bits_v,
+            lowbit = da.LowbitPages(
+                da.QuantizedPages(kc, ks, kz), da.QuantizedPages(vc, vs, vz), low_table, low_len
+            )
+            return da.decode_attention(
+                q, da.FpPages(k_fp, v_fp, fp_table, fp_len), lowbit, da.HeadTransforms(bk_t, bv),
+                bits=bits_k, bits_v=None if bits_v == bits_k else bits_v,
                 sm_scale=self.sm_scale, backend=backend,
                 interpret=jax.default_backend() == "cpu",
             )  # fmt: skip
@@ -576,14 +579,14 @@ class PagedKVCache:
         """An all full-precision cache: the BF16 paged kernel over the fp pages, the
         transforms applied outside it (query into the key frame, output out of the value
         frame)."""
-        from pallas_kernels.decode_attention import decode_attention_bf16  # lazy
+        from pallas_kernels import decode_attention as da  # lazy: optional path
 
         tf, plan = self.transforms, self.plan
         q_t = tf.queries_to_key_frame(layer, q)[:, 0]
 
         def run(q, k, v, table, lengths):
-            return decode_attention_bf16(
-                q, k, v, table, lengths, sm_scale=self.sm_scale,
+            return da.decode_attention_bf16(
+                q, da.FpPages(k, v, table, lengths), sm_scale=self.sm_scale,
                 backend="tpu" if jax.default_backend() == "tpu" else "gpu",
                 interpret=jax.default_backend() == "cpu",
             )  # fmt: skip

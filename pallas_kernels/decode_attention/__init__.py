@@ -3,6 +3,8 @@
 - `api`: the public jitted wrappers, split planning and the log-sum-exp merge.
 - `reference`: pure-jnp float32 twins with the same signatures.
 - `checks`: input validation shared by the two.
+- `pages`: the page-set pytrees they take (`FpPages`, `LowbitPages`, `QuantizedPages`,
+  `HeadTransforms`).
 - `tiles`: the per-tile math (and `DecodeConfig`) every backend body imports.
 - `gpu_triton`: the Pallas Triton body (GPU; interpret-mode twin in CPU CI).
 - `tpu`: the Pallas Mosaic TPU body.
@@ -13,6 +15,12 @@ from pallas_kernels.decode_attention.api import (
     decode_attention_bf16,
     decode_attention_variant,
     lowbit_auto_splits,
+)
+from pallas_kernels.decode_attention.pages import (
+    FpPages,
+    HeadTransforms,
+    LowbitPages,
+    QuantizedPages,
 )
 from pallas_kernels.decode_attention.reference import (
     ref_decode_attention,
@@ -25,6 +33,10 @@ __all__ = [
     "CODE_DOT_DTYPE",
     "NEG_INF",
     "DecodeConfig",
+    "FpPages",
+    "HeadTransforms",
+    "LowbitPages",
+    "QuantizedPages",
     "decode_attention",
     "decode_attention_bf16",
     "decode_attention_variant",

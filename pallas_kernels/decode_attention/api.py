@@ -22,8 +22,10 @@ results, combined by log-sum-exp in the GPU merge kernel (`gpu_triton`
 
 Example::
 
-    out = decode_attention(q, k_fp, v_fp, fp_table, fp_len, k_codes, v_codes,
-                           k_scale, k_zero, v_scale, v_zero, q_table, q_len, bkt, bv,
+    fp = FpPages(k_fp, v_fp, fp_table, fp_len)
+    lowbit = LowbitPages(QuantizedPages(k_codes, k_scale, k_zero),
+                         QuantizedPages(v_codes, v_scale, v_zero), lowbit_table, lowbit_len)
+    out = decode_attention(q, fp, lowbit, HeadTransforms(b_k_t, b_v),
                            bits=2, sm_scale=d**-0.5)
 """
 
@@ -36,6 +38,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import layout
 from pallas_kernels.decode_attention.checks import _check_kernel_shapes, _validate, _validate_fp
+from pallas_kernels.decode_attention.pages import (
+    FpPages,
+    HeadTransforms,
+    LowbitPages,
+)
 from pallas_kernels.decode_attention.tiles import (
     BACKENDS,
     BF16_PAGES_PER_BLOCK,
@@ -148,20 +155,9 @@ _LOWBIT_STATIC = (
 @functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC)
 def decode_attention(
     q: jax.Array,  # bf16|f32[B, Hq, d] one query per sequence, original frame
-    k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d] full-precision pages (transformed frame)
-    v_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
-    fp_page_table: jax.Array,  # i32[B, max_fp_pages]
-    fp_len: jax.Array,  # i32[B] valid full-precision tokens
-    k_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
-    v_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
-    k_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    k_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    v_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    v_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    q_page_table: jax.Array,  # i32[B, max_q_pages]
-    q_len: jax.Array,  # i32[B] valid low-bit tokens (multiple of page)
-    query_transform: jax.Array | None = None,  # f32[Hkv, d, d] = B_K^T, None = identity
-    value_inverse: jax.Array | None = None,  # f32[Hkv, d, d] = B_V, None = identity
+    fp: FpPages,  # full-precision pages (transformed frame)
+    lowbit: LowbitPages,  # packed low-bit pages
+    transforms: HeadTransforms | None = None,  # None = identity frames
     *,
     bits: int,
     sm_scale: float,
@@ -183,8 +179,9 @@ def decode_attention(
     this equals applying it per split); the TPU body applies them inside the split kernel.
 
     Args:
-      q, k_fp, ..., value_inverse: see the shape comments; unused table entries may point at
-        any valid page, and unused pages may hold NaN.
+      q: one query per sequence in the original frame.
+      fp, lowbit, transforms: the page sets and frame changes (`pallas_kernels.decode_attention.
+        pages`); unused table entries may point at any valid page, unused pages may hold NaN.
       bits: 2 or 4 (packed planar codes, `pallas_kernels.layout`) of the keys, and of the
         values unless ``bits_v`` is given.
       bits_v: the values' width when it differs from the keys' (a layer of a bit
@@ -192,8 +189,8 @@ def decode_attention(
         ``bfloat16``, ``float32``) or ``uint8`` (the 8-bit encoding of
         `pallas_kernels.layout`), each pool decoded by its own dtype (Triton and TPU bodies;
         the Mosaic GPU body takes equal widths and float metadata only).
-      value_layout: ``"tokens"`` (value codes ``[P_q, Hkv, page, d // n]`` like keys) or
-        ``"dims"`` (``[P_q, Hkv, d, page // n]``, packed along tokens; backend
+      value_layout: ``"tokens"`` (value codes ``[P_low, Hkv, page, d // n]`` like keys) or
+        ``"dims"`` (``[P_low, Hkv, d, page // n]``, packed along tokens; backend
         ``"gpu_mosaic"`` with 128-token low-bit pages), see `pallas_kernels.layout`.
       sm_scale: softmax scale applied to the logits.
       num_splits: sequence splits (flash decoding); ``None`` picks enough to fill the GPU.
@@ -209,20 +206,9 @@ def decode_attention(
     """
     return decode_attention_variant(
         q,
-        k_fp,
-        v_fp,
-        fp_page_table,
-        fp_len,
-        k_codes,
-        v_codes,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        q_page_table,
-        q_len,
-        query_transform,
-        value_inverse,
+        fp,
+        lowbit,
+        transforms,
         bits=bits,
         sm_scale=sm_scale,
         bits_v=bits_v,
@@ -239,20 +225,9 @@ def decode_attention(
 @functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums"))
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]
-    k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
-    v_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
-    fp_page_table: jax.Array,  # i32[B, max_fp_pages]
-    fp_len: jax.Array,  # i32[B]
-    k_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
-    v_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
-    k_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    k_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    v_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    v_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    q_page_table: jax.Array,  # i32[B, max_q_pages]
-    q_len: jax.Array,  # i32[B]
-    query_transform: jax.Array | None = None,  # f32[Hkv, d, d]
-    value_inverse: jax.Array | None = None,  # f32[Hkv, d, d]
+    fp: FpPages,
+    lowbit: LowbitPages,
+    transforms: HeadTransforms | None = None,
     *,
     bits: int,
     sm_scale: float,
@@ -277,26 +252,9 @@ def decode_attention_variant(
         ``INT_TO_FLOAT`` / ``ROW_SUMS``).
       Others: as in `decode_attention`.
     """
-    dims = _validate(
-        q,
-        k_fp,
-        v_fp,
-        fp_page_table,
-        fp_len,
-        k_codes,
-        v_codes,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        q_page_table,
-        q_len,
-        query_transform,
-        value_inverse,
-        bits=bits,
-        value_layout=value_layout,
-        bits_v=bits_v,
-    )
+    dims = _validate(q, fp, lowbit, transforms, bits=bits, value_layout=value_layout, bits_v=bits_v)
+    (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero) = lowbit.k, lowbit.v
+    query_transform, value_inverse = HeadTransforms() if transforms is None else transforms
     bits_v = bits if bits_v is None else bits_v
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
@@ -334,7 +292,7 @@ def decode_attention_variant(
     unit = 1 if backend == "tpu" else pages_per_block
     if num_splits is None:
         num_splits = lowbit_auto_splits(
-            dims["b"], dims["hkv"], q_page_table.shape[1], pages_per_block
+            dims["b"], dims["hkv"], lowbit.table.shape[1], pages_per_block
         )
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
@@ -368,7 +326,7 @@ def decode_attention_variant(
         qg,
         None if hoist else qt,
         None if hoist else vi,
-        (k_fp, v_fp, _split_table(fp_page_table, num_splits, unit), fp_len),
+        (fp.k, fp.v, _split_table(fp.table, num_splits, unit), fp.length),
         (
             k_codes,
             v_codes,
@@ -376,8 +334,8 @@ def decode_attention_variant(
             k_zero,
             v_scale,
             v_zero,
-            _split_table(q_page_table, num_splits, unit),
-            q_len,
+            _split_table(lowbit.table, num_splits, unit),
+            lowbit.length,
         ),
         interpret=interpret,
         num_warps=num_warps,
@@ -404,10 +362,7 @@ def decode_attention_variant(
 )
 def decode_attention_bf16(
     q: jax.Array,  # bf16|f32[B, Hq, d]
-    k_pages: jax.Array,  # bf16|f32[P, Hkv, page, d]
-    v_pages: jax.Array,  # bf16|f32[P, Hkv, page, d]
-    page_table: jax.Array,  # i32[B, max_pages]
-    lengths: jax.Array,  # i32[B]
+    fp: FpPages,  # full-precision pages
     *,
     sm_scale: float,
     num_splits: int | None = None,
@@ -422,14 +377,14 @@ def decode_attention_bf16(
     (``pages_per_block=None`` means 8, the value this baseline was tuned with)."""
     if pages_per_block is None:
         pages_per_block = BF16_PAGES_PER_BLOCK
-    dims = _validate_fp(q, k_pages, v_pages, page_table, lengths)
+    dims = _validate_fp(q, fp)
     if backend == "gpu_mosaic":
         raise ValueError("backend='gpu_mosaic' has no BF16 kernel; use backend='gpu'")
     _check_kernel_shapes(dims, None, pages_per_block, backend)
     mod = _backend_module(backend)
     unit = pages_per_block if backend == "gpu" else 1
     if num_splits is None:
-        num_splits = _auto_splits(dims["b"], dims["hkv"], page_table.shape[1], pages_per_block)
+        num_splits = _auto_splits(dims["b"], dims["hkv"], fp.table.shape[1], pages_per_block)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     qg, g = _group_queries(q, dims["hkv"], mod.MIN_GROUP_PAD)
@@ -451,7 +406,7 @@ def decode_attention_bf16(
         qg,
         None,
         None,
-        (k_pages, v_pages, _split_table(page_table, num_splits, unit), lengths),
+        (fp.k, fp.v, _split_table(fp.table, num_splits, unit), fp.length),
         None,
         interpret=interpret,
         num_warps=num_warps,

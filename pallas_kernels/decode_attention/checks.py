@@ -11,7 +11,8 @@ from pallas_kernels.decode_attention.tiles import BACKENDS
 # ------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------
-def _validate_fp(q, k_pages, v_pages, page_table, lengths) -> dict[str, int]:
+def _validate_fp(q, fp) -> dict[str, int]:
+    k_pages, v_pages, page_table, lengths = fp
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [B, Hq, d]")
     b, hq, d = q.shape
@@ -33,28 +34,12 @@ def _validate_fp(q, k_pages, v_pages, page_table, lengths) -> dict[str, int]:
     return {"b": b, "hq": hq, "d": d, "hkv": hkv, "page": page}
 
 
-def _validate(
-    q,
-    k_fp,
-    v_fp,
-    fp_page_table,
-    fp_len,
-    k_codes,
-    v_codes,
-    k_scale,
-    k_zero,
-    v_scale,
-    v_zero,
-    q_page_table,
-    q_len,
-    query_transform,
-    value_inverse,
-    *,
-    bits,
-    value_layout="tokens",
-    bits_v=None,
-) -> dict[str, int]:
-    dims = _validate_fp(q, k_fp, v_fp, fp_page_table, fp_len)
+def _validate(q, fp, lowbit, transforms, *, bits, value_layout="tokens", bits_v=None):
+    """Shapes, dtypes and widths of one decode call's inputs (the `pages` pytrees); returns
+    the dimensions the bodies need. Raises ValueError naming the offending input."""
+    (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), lowbit_table, lowbit_len = lowbit
+    query_transform, value_inverse = (None, None) if transforms is None else transforms
+    dims = _validate_fp(q, fp)
     b, d, hkv = dims["b"], dims["d"], dims["hkv"]
     if bits not in layout.SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} must be one of {layout.SUPPORTED_BITS}")
@@ -67,26 +52,26 @@ def _validate(
     # Low-bit pages may hold more tokens than full-precision ones (the Mosaic GPU body reads
     # whole 64-token tiles); the Triton and TPU bodies need equal sizes (`_check_kernel_shapes`).
     if k_codes.ndim != 4 or k_codes.shape[1] != hkv or k_codes.shape[3] != m:
-        raise ValueError(f"{k_codes.shape=} must be [P_q, Hkv={hkv}, page_q, d//n={m}]")
+        raise ValueError(f"{k_codes.shape=} must be [P_low, Hkv={hkv}, page_lowbit, d//n={m}]")
     if k_codes.dtype != jnp.uint8:
         raise ValueError(f"{k_codes.dtype=} must be uint8")
     if value_layout not in layout.VALUE_LAYOUTS:
         raise ValueError(f"value_layout={value_layout!r} must be one of {layout.VALUE_LAYOUTS}")
-    p_q, _, page_q, _ = k_codes.shape
+    p_low, _, page_lowbit, _ = k_codes.shape
     if value_layout == "tokens":
         v_want = (*k_codes.shape[:3], layout.packed_dim(d, bits_v))
     else:
         n = layout.codes_per_byte(bits)
-        if page_q % n:
-            raise ValueError(f"low-bit page size {page_q} must be a multiple of {n}")
-        v_want = (p_q, hkv, d, page_q // n)
+        if page_lowbit % n:
+            raise ValueError(f"low-bit page size {page_lowbit} must be a multiple of {n}")
+        v_want = (p_low, hkv, d, page_lowbit // n)
     if v_codes.shape != v_want or v_codes.dtype != jnp.uint8:
         raise ValueError(
             f"{v_codes.shape=} {v_codes.dtype=} must be uint8{list(v_want)} ({value_layout=})"
         )
     meta = k_scale.shape
     if len(meta) != 4 or meta[:3] != k_codes.shape[:3] or meta[3] < 1 or d % meta[3]:
-        raise ValueError(f"{k_scale.shape=} must be [P_q, Hkv, page, d//G] for {k_codes.shape=}")
+        raise ValueError(f"{k_scale.shape=} must be [P_low, Hkv, page, d//G] for {k_codes.shape=}")
     for name, a in (("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         if a.shape != meta:
             raise ValueError(f"{name}.shape={a.shape} must equal {k_scale.shape=}")
@@ -94,16 +79,16 @@ def _validate(
                     ("v_zero", v_zero)):  # fmt: skip
         if a.dtype.name not in layout.META_DTYPES:
             raise ValueError(f"{name}.dtype={a.dtype} must be one of {layout.META_DTYPES}")
-    if q_page_table.ndim != 2 or q_page_table.shape[0] != b or q_page_table.shape[1] < 1:
-        raise ValueError(f"{q_page_table.shape=} must be [B={b}, >=1]")
-    if q_page_table.dtype != jnp.int32:
-        raise ValueError(f"{q_page_table.dtype=} must be int32")
-    if q_len.shape != (b,) or q_len.dtype != jnp.int32:
-        raise ValueError(f"{q_len.shape=} {q_len.dtype=} must be int32[{b}]")
+    if lowbit_table.ndim != 2 or lowbit_table.shape[0] != b or lowbit_table.shape[1] < 1:
+        raise ValueError(f"{lowbit_table.shape=} must be [B={b}, >=1]")
+    if lowbit_table.dtype != jnp.int32:
+        raise ValueError(f"{lowbit_table.dtype=} must be int32")
+    if lowbit_len.shape != (b,) or lowbit_len.dtype != jnp.int32:
+        raise ValueError(f"{lowbit_len.shape=} {lowbit_len.dtype=} must be int32[{b}]")
     for name, t in (("query_transform", query_transform), ("value_inverse", value_inverse)):
         if t is not None and t.shape != (hkv, d, d):
             raise ValueError(f"{name}.shape={t.shape} must be (Hkv={hkv}, d={d}, d={d})")
-    dims.update(m=m, num_groups=meta[3], group_size=d // meta[3], page_q=k_codes.shape[2])
+    dims.update(m=m, num_groups=meta[3], group_size=d // meta[3], page_lowbit=k_codes.shape[2])
     return dims
 
 
@@ -115,10 +100,10 @@ def _check_kernel_shapes(
     value_layout: str = "tokens",
 ) -> None:
     """Constraints of the kernels (not of the math): tile shapes and group alignment."""
-    if value_layout == "dims" and (backend != "gpu_mosaic" or dims["page_q"] != 128):
+    if value_layout == "dims" and (backend != "gpu_mosaic" or dims["page_lowbit"] != 128):
         raise ValueError(
             f"value_layout='dims' needs backend='gpu_mosaic' and 128-token low-bit pages "
-            f"(got {backend=}, page {dims['page_q']})"
+            f"(got {backend=}, page {dims['page_lowbit']})"
         )
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
@@ -133,14 +118,15 @@ def _check_kernel_shapes(
             raise ValueError(
                 f"group_size={dims['group_size']} must be a multiple of d//n={dims['m']}"
             )
-    if bits is not None and backend != "gpu_mosaic" and dims["page_q"] != dims["page"]:
+    if bits is not None and backend != "gpu_mosaic" and dims["page_lowbit"] != dims["page"]:
         raise ValueError(
-            f"low-bit page size {dims['page_q']} must equal the full-precision page size "
+            f"low-bit page size {dims['page_lowbit']} must equal the full-precision page size "
             f"{dims['page']} for {backend=} (only backend='gpu_mosaic' reads larger ones)"
         )
-    if bits is not None and backend == "gpu_mosaic" and dims["page_q"] % 64:
+    if bits is not None and backend == "gpu_mosaic" and dims["page_lowbit"] % 64:
         raise ValueError(
-            f"low-bit page size {dims['page_q']} must be a multiple of 64 for backend='gpu_mosaic'"
+            f"low-bit page size {dims['page_lowbit']} must be a multiple of 64 for "
+            "backend='gpu_mosaic'"
         )
     if backend in ("gpu", "gpu_mosaic"):
         for name in ("d", "page"):

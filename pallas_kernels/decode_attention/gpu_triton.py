@@ -151,7 +151,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
     q_ref = next(it)  # f32[Gp, d], already in the transformed frame (see `head_matmul`)
     kfp_ref, vfp_ref, fptab_ref, fplen_ref = (next(it) for _ in range(4))
     if has_lowbit:
-        kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref, qtab_ref, qlen_ref = (
+        kc_ref, vc_ref, ks_ref, kz_ref, vs_ref, vz_ref, lowtab_ref, lowlen_ref = (
             next(it) for _ in range(8)
         )
     o_ref, m_ref, l_ref = (next(it) for _ in range(3))
@@ -208,9 +208,9 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         ng = cfg.num_groups
         pg, kpg = cfg.plane_group, cfg.key_plane_group  # value planes', key planes' groups
         bits_k, bits_v = cfg.bits, cfg.value_bits
-        q_len = qlen_ref[0]
-        q_pps = qtab_ref.shape[0]
-        q_start = split * q_pps * page
+        low_len = lowlen_ref[0]
+        low_pps = lowtab_ref.shape[0]
+        low_start = split * low_pps * page
         mw, mwv = cfg.packed_width, cfg.value_packed_width
         # Logits in base-2 units straight out of the dots: scale_log2 rides on the query.
         q_chunks16 = [(c * cfg.scale_log2).astype(da.CODE_DOT_DTYPE) for c in q_chunks]
@@ -228,7 +228,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         )
 
         def phys_of(j):  # i32[T] physical page of each row of block j
-            return qtab_ref[j * ppb + row_page]
+            return lowtab_ref[j * ppb + row_page]
 
         def load_block(phys):
             """Raw tiles of a block: packed K [mw, T] (gathered transposed, per row), packed
@@ -244,7 +244,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         def attend_block(j, blk, carry):
             m_prev, acc, l_t, corr_t = carry
             kp, vp, metas = blk
-            vrow, _ = _valid(q_start + j * t, q_len, t)
+            vrow, _ = _valid(low_start + j * t, low_len, t)
             # Masked with where so NaN in unused slots' scales/zeros cannot leak.
             ks, kz, vs, vz = (
                 [jnp.where(vrow, dec(x), 0.0) for x in rows_of]
@@ -273,14 +273,14 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
             acc = tuple(acc[i] * alpha[:, None] + ups[i] for i in range(n))
             return m_new, acc, l_t, corr_t
 
-        nb = _n_blocks(q_len, q_start, t, q_pps // ppb)
+        nb = _n_blocks(low_len, low_start, t, low_pps // ppb)
         l_t0 = jnp.zeros((gp, t), jnp.float32)
         zero_corr = tuple(jnp.zeros((gp, t), jnp.float32) for _ in range(ng))
 
-        def q_body(j, carry):
+        def lowbit_body(j, carry):
             return attend_block(j, load_block(phys_of(j)), carry)
 
-        state = jax.lax.fori_loop(0, nb, q_body, (m_i, accs, l_t0, zero_corr))
+        state = jax.lax.fori_loop(0, nb, lowbit_body, (m_i, accs, l_t0, zero_corr))
         m_q, accs, l_t, corr_t = state
         # The full-precision part's l_i and the deferred tiles, both at the final max.
         l_i = l_i * jnp.exp2(m_i - m_q) + jnp.sum(l_t, axis=1)
@@ -342,10 +342,10 @@ def paged_decode(
     args += [k_fp, v_fp, fp_tab, fp_len.reshape(b, 1)]
     specs += [pool_spec(k_fp), pool_spec(v_fp), table_spec(fp_tab), len_spec]
     if lowbit_set is not None:
-        kc, vc, ks, kz, vs, vz, q_tab, q_len = lowbit_set
-        args += [kc, vc, ks, kz, vs, vz, q_tab, q_len.reshape(b, 1)]
+        kc, vc, ks, kz, vs, vz, low_tab, low_len = lowbit_set
+        args += [kc, vc, ks, kz, vs, vz, low_tab, low_len.reshape(b, 1)]
         specs += [pool_spec(a) for a in (kc, vc, ks, kz, vs, vz)]
-        specs += [table_spec(q_tab), len_spec]
+        specs += [table_spec(low_tab), len_spec]
 
     kernel = functools.partial(
         _kernel, cfg=cfg, has_lowbit=lowbit_set is not None, interpret=interpret

@@ -8,6 +8,7 @@ from jax import lax
 
 from pallas_kernels import layout
 from pallas_kernels.decode_attention.checks import _validate, _validate_fp
+from pallas_kernels.decode_attention.pages import FpPages, HeadTransforms, LowbitPages
 
 
 # ------------------------------------------------------------------------------------------
@@ -87,20 +88,9 @@ def _output_ref(o_frame, value_inverse, hq):
 
 def ref_decode_attention(
     q: jax.Array,  # bf16|f32[B, Hq, d] one query per sequence, original frame
-    k_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d] full-precision pages (transformed frame)
-    v_fp: jax.Array,  # bf16|f32[P_fp, Hkv, page, d]
-    fp_page_table: jax.Array,  # i32[B, max_fp_pages]
-    fp_len: jax.Array,  # i32[B]
-    k_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
-    v_codes: jax.Array,  # u8[P_q, Hkv, page, d // n]
-    k_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    k_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    v_scale: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    v_zero: jax.Array,  # f16[P_q, Hkv, page, d // G]
-    q_page_table: jax.Array,  # i32[B, max_q_pages]
-    q_len: jax.Array,  # i32[B]
-    query_transform: jax.Array | None = None,  # f32[Hkv, d, d] = B_K^T
-    value_inverse: jax.Array | None = None,  # f32[Hkv, d, d] = B_V
+    fp: FpPages,  # full-precision pages (transformed frame)
+    lowbit: LowbitPages,  # packed low-bit pages
+    transforms: HeadTransforms | None = None,  # None = identity frames
     *,
     bits: int,
     sm_scale: float,
@@ -117,42 +107,25 @@ def ref_decode_attention(
     accepted for signature parity and ignored.
     """
     del num_splits, pages_per_block, backend, interpret
-    dims = _validate(
-        q,
-        k_fp,
-        v_fp,
-        fp_page_table,
-        fp_len,
-        k_codes,
-        v_codes,
-        k_scale,
-        k_zero,
-        v_scale,
-        v_zero,
-        q_page_table,
-        q_len,
-        query_transform,
-        value_inverse,
-        bits=bits,
-        value_layout=value_layout,
-        bits_v=bits_v,
-    )
+    dims = _validate(q, fp, lowbit, transforms, bits=bits, value_layout=value_layout, bits_v=bits_v)
+    (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero) = lowbit.k, lowbit.v
+    query_transform, value_inverse = HeadTransforms() if transforms is None else transforms
     d = dims["d"]
     bits_v = bits if bits_v is None else bits_v
     if value_layout == "dims":  # to the token-major packing of keys (same codes)
         v_codes = layout.pack_codes(
-            layout.unpack_value_page_dims_major(v_codes, bits, dims["page_q"]), bits
+            layout.unpack_value_page_dims_major(v_codes, bits, dims["page_lowbit"]), bits
         )
     qf = _apply_transforms_ref(q, query_transform, dims["hkv"])
-    kf = _gather_pages(k_fp, fp_page_table).astype(jnp.float32)
-    vf = _gather_pages(v_fp, fp_page_table).astype(jnp.float32)
-    kq = _dequantize_pages(k_codes, k_scale, k_zero, q_page_table, bits, d)
-    vq = _dequantize_pages(v_codes, v_scale, v_zero, q_page_table, bits_v, d)
+    kf = _gather_pages(fp.k, fp.table).astype(jnp.float32)
+    vf = _gather_pages(fp.v, fp.table).astype(jnp.float32)
+    kq = _dequantize_pages(k_codes, k_scale, k_zero, lowbit.table, bits, d)
+    vq = _dequantize_pages(v_codes, v_scale, v_zero, lowbit.table, bits_v, d)
     o = _ref_attend(
         qf,
         [
-            (kf, vf, _token_mask(fp_len, kf.shape[2])),
-            (kq, vq, _token_mask(q_len, kq.shape[2])),
+            (kf, vf, _token_mask(fp.length, kf.shape[2])),
+            (kq, vq, _token_mask(lowbit.length, kq.shape[2])),
         ],
         sm_scale,
     )
@@ -161,10 +134,7 @@ def ref_decode_attention(
 
 def ref_decode_attention_bf16(
     q: jax.Array,  # bf16|f32[B, Hq, d]
-    k_pages: jax.Array,  # bf16|f32[P, Hkv, page, d]
-    v_pages: jax.Array,  # bf16|f32[P, Hkv, page, d]
-    page_table: jax.Array,  # i32[B, max_pages]
-    lengths: jax.Array,  # i32[B]
+    fp: FpPages,  # full-precision pages
     *,
     sm_scale: float,
     num_splits: int | None = None,
@@ -174,9 +144,9 @@ def ref_decode_attention_bf16(
 ) -> jax.Array:  # f32[B, Hq, d]
     """Pure-jnp float32 twin of `decode_attention_bf16`; tuning arguments are ignored."""
     del num_splits, pages_per_block, backend, interpret
-    dims = _validate_fp(q, k_pages, v_pages, page_table, lengths)
+    dims = _validate_fp(q, fp)
     qf = _apply_transforms_ref(q, None, dims["hkv"])
-    k = _gather_pages(k_pages, page_table).astype(jnp.float32)
-    v = _gather_pages(v_pages, page_table).astype(jnp.float32)
-    o = _ref_attend(qf, [(k, v, _token_mask(lengths, k.shape[2]))], sm_scale)
+    k = _gather_pages(fp.k, fp.table).astype(jnp.float32)
+    v = _gather_pages(fp.v, fp.table).astype(jnp.float32)
+    o = _ref_attend(qf, [(k, v, _token_mask(fp.length, k.shape[2]))], sm_scale)
     return _output_ref(o, None, q.shape[1])

@@ -39,15 +39,15 @@ DEFAULT_ROW_SUMS = "per_step"
 def _kernel(
     fptab_ref,  # SMEM i32[B * S * fp_pps]
     fplen_ref,  # SMEM i32[B]
-    qtab_ref,  # SMEM i32[B * S * q_pps] (dummy when there is no low-bit set)
-    qlen_ref,  # SMEM i32[B]
+    lowtab_ref,  # SMEM i32[B * S * low_pps] (dummy when there is no low-bit set)
+    lowlen_ref,  # SMEM i32[B]
     *refs,
     cfg: da.DecodeConfig,
     has_lowbit: bool,
     fp_pps: int,
-    q_pps: int,
+    low_pps: int,
 ):
-    del fptab_ref, qtab_ref  # only the index maps read the tables
+    del fptab_ref, lowtab_ref  # only the index maps read the tables
     it = iter(refs)
     q_ref = next(it)  # f32[Gp, d]
     qt_ref = next(it) if cfg.has_query_transform else None
@@ -105,16 +105,16 @@ def _kernel(
         update(p, alpha, ups, m_new, l_new)
 
     if has_lowbit:
-        q_tok0 = (split * q_pps + (j - fp_pps)) * page
-        q_len = qlen_ref[b]
+        low_tok0 = (split * low_pps + (j - fp_pps)) * page
+        low_len = lowlen_ref[b]
 
-        @pl.when((j >= fp_pps) & (q_tok0 < q_len))
+        @pl.when((j >= fp_pps) & (low_tok0 < low_len))
         def _lowbit_page():
             _, q_chunks = query_chunks()
             ng, pg, kpg = cfg.num_groups, cfg.plane_group, cfg.key_plane_group
             q16 = [c.astype(da.CODE_DOT_DTYPE) for c in q_chunks]
             q_sums = da.tile_group_sums(q16, kpg, ng)
-            vrow, _ = valid(q_tok0, q_len)
+            vrow, _ = valid(low_tok0, low_len)
 
             def meta(ref, decode):
                 x = decode(ref[...]).T  # f32[ng, page]: a cast, or the 8-bit decode (`layout`)
@@ -169,19 +169,19 @@ def paged_decode(
     k_fp, v_fp, fp_tab, fp_len = fp_set
     s, fp_pps = fp_tab.shape[1], fp_tab.shape[2]
     if lowbit_set is not None:
-        q_tab, q_len = lowbit_set[6], lowbit_set[7]
-        q_pps = q_tab.shape[2]
+        low_tab, low_len = lowbit_set[6], lowbit_set[7]
+        low_pps = low_tab.shape[2]
     else:
-        q_tab, q_len, q_pps = jnp.zeros((b, s, 1), jnp.int32), jnp.zeros((b,), jnp.int32), 0
-    n_steps = fp_pps + q_pps
+        low_tab, low_len, low_pps = jnp.zeros((b, s, 1), jnp.int32), jnp.zeros((b,), jnp.int32), 0
+    n_steps = fp_pps + low_pps
 
     def fp_page(bi, si, j, fpt):
         jj = jnp.minimum(j, fp_pps - 1)
         return fpt[(bi * s + si) * fp_pps + jj]
 
-    def q_page(bi, si, j, qt):
-        jj = jnp.clip(j - fp_pps, 0, max(q_pps - 1, 0))
-        return qt[(bi * s + si) * max(q_pps, 1) + jj]
+    def lowbit_page(bi, si, j, qt):
+        jj = jnp.clip(j - fp_pps, 0, max(low_pps - 1, 0))
+        return qt[(bi * s + si) * max(low_pps, 1) + jj]
 
     def fp_spec(a):
         return pl.BlockSpec(
@@ -192,7 +192,7 @@ def paged_decode(
     def q_spec(a):
         return pl.BlockSpec(
             (None, None, a.shape[2], a.shape[3]),
-            lambda bi, h, si, j, fpt, fl, qt, ql: (q_page(bi, si, j, qt), h, 0, 0),
+            lambda bi, h, si, j, fpt, fl, qt, ql: (lowbit_page(bi, si, j, qt), h, 0, 0),
         )
 
     mat_spec = pl.BlockSpec((None, d, d), lambda bi, h, si, j, *_: (h, 0, 0))
@@ -226,7 +226,7 @@ def paged_decode(
         ],
     )
     kernel = functools.partial(
-        _kernel, cfg=cfg, has_lowbit=lowbit_set is not None, fp_pps=fp_pps, q_pps=q_pps
+        _kernel, cfg=cfg, has_lowbit=lowbit_set is not None, fp_pps=fp_pps, low_pps=low_pps
     )
     return pl.pallas_call(
         kernel,
@@ -240,4 +240,4 @@ def paged_decode(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
         interpret=interpret,
-    )(fp_tab.reshape(-1), fp_len, q_tab.reshape(-1), q_len, *args)
+    )(fp_tab.reshape(-1), fp_len, low_tab.reshape(-1), low_len, *args)

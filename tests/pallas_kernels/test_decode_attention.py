@@ -32,12 +32,12 @@ class Case:
     bits: int = 2
     group_size: int | None = None
     fp_lens: tuple[int, ...] = (40, 9)
-    q_lens: tuple[int, ...] = (64, 0)  # multiples of page
+    lowbit_lens: tuple[int, ...] = (64, 0)  # multiples of page
     fp_dtype: str = "float32"
     transforms: bool = True
     num_splits: int | None = 2
     pages_per_block: int = 2
-    page_q: int | None = None  # low-bit page size (None: = page); q_lens multiples of 16
+    lowbit_page: int | None = None  # low-bit page size (None: = page); lowbit_lens multiples of 16
     value_layout: str = "tokens"  # "dims": value codes packed along tokens (layout.py)
     bits_v: int | None = None  # value width when it differs from the keys' (bit allocation)
     meta_dtype: str = "float16"  # "uint8": the 8-bit scale/zero encoding (layout.py)
@@ -51,13 +51,12 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
     """Random paged cache with NaN in every unused page, slot and table target."""
     rng = np.random.default_rng(seed)
     d, page, hkv = c.head_dim, c.page, c.kv_heads
-    n = layout.codes_per_byte(c.bits)
     gsz = d if c.group_size is None else c.group_size
     ng = d // gsz
     fp_need = [_pages_for(x, page) for x in c.fp_lens]
-    pq_size = page if c.page_q is None else c.page_q
-    q_need = [_pages_for(x, pq_size) for x in c.q_lens]
-    assert all(x % 16 == 0 for x in c.q_lens)  # the cache flushes whole 16-token blocks
+    pq_size = page if c.lowbit_page is None else c.lowbit_page
+    q_need = [_pages_for(x, pq_size) for x in c.lowbit_lens]
+    assert all(x % 16 == 0 for x in c.lowbit_lens)  # the cache flushes whole 16-token blocks
     max_fp = max(1, max(fp_need) + 1)  # one spare column so tables have unused entries
     max_q = max(1, max(q_need) + 1)
     p_fp = sum(fp_need) + 2  # two never-owned pages, poisoned
@@ -81,11 +80,11 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
     k_fp = np.where(unused, np.nan, k_fp).astype(np.float32)
     v_fp = np.where(unused, np.nan, v_fp).astype(np.float32)
 
-    pq_size = page if c.page_q is None else c.page_q
+    pq_size = page if c.lowbit_page is None else c.lowbit_page
     bits_v = c.bits if c.bits_v is None else c.bits_v
-    n_v = layout.codes_per_byte(bits_v)
-    k_codes = rng.integers(0, 256, (p_q, hkv, pq_size, d // n), dtype=np.uint8)
-    v_codes = rng.integers(0, 256, (p_q, hkv, pq_size, d // n_v), dtype=np.uint8)
+    m_k, m_v = layout.packed_dim(d, c.bits), layout.packed_dim(d, bits_v)  # row bytes
+    k_codes = rng.integers(0, 256, (p_q, hkv, pq_size, m_k), dtype=np.uint8)
+    v_codes = rng.integers(0, 256, (p_q, hkv, pq_size, m_v), dtype=np.uint8)
     meta = (p_q, hkv, pq_size, ng)
 
     def meta_pool(kind, bits):
@@ -100,7 +99,7 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
     q_table = np.full((c.batch, max_q), poison_q, np.int32)
     used_q = np.zeros((p_q, pq_size), bool)  # token slots holding a cached key
     nxt = 0
-    for b, (ln, need) in enumerate(zip(c.q_lens, q_need)):
+    for b, (ln, need) in enumerate(zip(c.lowbit_lens, q_need)):
         for j in range(need):
             q_table[b, j] = perm_q[nxt]
             used_q[perm_q[nxt], : min(pq_size, ln - j * pq_size)] = True
@@ -117,27 +116,24 @@ def make_inputs(c: Case, seed: int = 0) -> dict:
         v_codes_arr = layout.pack_value_page_dims_major(
             layout.unpack_codes(v_codes_arr, bits_v, d), bits_v
         )
-    out = dict(
-        q=jnp.asarray(q),
-        k_fp=jnp.asarray(k_fp, c.fp_dtype),
-        v_fp=jnp.asarray(v_fp, c.fp_dtype),
-        fp_page_table=jnp.asarray(fp_table),
-        fp_len=jnp.asarray(c.fp_lens, jnp.int32),
-        k_codes=jnp.asarray(k_codes),
-        v_codes=v_codes_arr,
-        k_scale=jnp.asarray(k_scale),
-        k_zero=jnp.asarray(k_zero),
-        v_scale=jnp.asarray(v_scale),
-        v_zero=jnp.asarray(v_zero),
-        q_page_table=jnp.asarray(q_table),
-        q_len=jnp.asarray(c.q_lens, jnp.int32),
+    fp = da.FpPages(
+        jnp.asarray(k_fp, c.fp_dtype),
+        jnp.asarray(v_fp, c.fp_dtype),
+        jnp.asarray(fp_table),
+        jnp.asarray(c.fp_lens, jnp.int32),
     )
+    lowbit = da.LowbitPages(
+        da.QuantizedPages(jnp.asarray(k_codes), jnp.asarray(k_scale), jnp.asarray(k_zero)),
+        da.QuantizedPages(v_codes_arr, jnp.asarray(v_scale), jnp.asarray(v_zero)),
+        jnp.asarray(q_table),
+        jnp.asarray(c.lowbit_lens, jnp.int32),
+    )
+    transforms = None
     if c.transforms:
         qt = rng.standard_normal((hkv, d, d)) / np.sqrt(d)
         vi = rng.standard_normal((hkv, d, d)) / np.sqrt(d)
-        out["query_transform"] = jnp.asarray(qt, jnp.float32)
-        out["value_inverse"] = jnp.asarray(vi, jnp.float32)
-    return out
+        transforms = da.HeadTransforms(jnp.asarray(qt, jnp.float32), jnp.asarray(vi, jnp.float32))
+    return dict(q=jnp.asarray(q), fp=fp, lowbit=lowbit, transforms=transforms)
 
 
 def _rel_err(out: jax.Array, ref: jax.Array) -> float:
@@ -163,7 +159,7 @@ FAST_CASES = [
             num_splits=1,
             pages_per_block=1,
             fp_lens=(21,),
-            q_lens=(48,),
+            lowbit_lens=(48,),
         ),
         marks=_SLOW,
     ),
@@ -176,20 +172,22 @@ FAST_CASES = [
         num_splits=3,
         fp_dtype="bfloat16",
         fp_lens=(64, 33),
-        q_lens=(96, 32),
+        lowbit_lens=(96, 32),
     ),
-    Case(q_lens=(0, 0), fp_lens=(30, 17)),  # fp only
-    Case(batch=3, fp_lens=(0, 5, 0), q_lens=(32, 0, 0)),  # low-bit only; nothing at all
-    Case(bits=4, group_size=32, num_splits=4, fp_lens=(3, 16), q_lens=(16, 48)),  # empty splits
-    Case(pages_per_block=4, num_splits=None, fp_lens=(17, 40), q_lens=(128, 64)),  # GPU default
+    Case(lowbit_lens=(0, 0), fp_lens=(30, 17)),  # fp only
+    Case(batch=3, fp_lens=(0, 5, 0), lowbit_lens=(32, 0, 0)),  # low-bit only; nothing at all
+    # empty splits
+    Case(bits=4, group_size=32, num_splits=4, fp_lens=(3, 16), lowbit_lens=(16, 48)),
+    # GPU default
+    Case(pages_per_block=4, num_splits=None, fp_lens=(17, 40), lowbit_lens=(128, 64)),
     pytest.param(
-        Case(group=8, num_splits=None, pages_per_block=4, fp_lens=(17, 64), q_lens=(128, 64)),
+        Case(group=8, num_splits=None, pages_per_block=4, fp_lens=(17, 64), lowbit_lens=(128, 64)),
         marks=_SLOW,
     ),
     # A bit allocation's layers: keys and values of different widths; 8-bit scale/zero.
-    Case(bits=2, bits_v=4, fp_lens=(19, 40), q_lens=(64, 32)),
-    Case(bits=4, bits_v=2, head_dim=128, group_size=64, meta_dtype="uint8", q_lens=(48, 16)),
-    Case(bits=2, meta_dtype="uint8", group=3, fp_lens=(5, 33), q_lens=(96, 16)),
+    Case(bits=2, bits_v=4, fp_lens=(19, 40), lowbit_lens=(64, 32)),
+    Case(bits=4, bits_v=2, head_dim=128, group_size=64, meta_dtype="uint8", lowbit_lens=(48, 16)),
+    Case(bits=2, meta_dtype="uint8", group=3, fp_lens=(5, 33), lowbit_lens=(96, 16)),
 ]
 
 SLOW_CASES = [
@@ -202,7 +200,7 @@ SLOW_CASES = [
         bits=bits,
         num_splits=s,
         fp_lens=(page + 3, 2 * page),
-        q_lens=(4 * page, 0),
+        lowbit_lens=(4 * page, 0),
     )
     for page in (16, 32)
     for hkv in (1, 2)
@@ -222,7 +220,7 @@ SLOW_CASES = [
         meta_dtype=meta,
         num_splits=3,
         fp_lens=(19, 32),
-        q_lens=(64, 0),
+        lowbit_lens=(64, 0),
     )
     for hkv, g in ((1, 4), (2, 8))
     for d in (64, 128)
@@ -281,9 +279,9 @@ class TestDecodeAttention:
         assert out.shape == (c.batch, c.kv_heads * c.group, c.head_dim)
         assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
         for b in range(c.batch):
-            if c.fp_lens[b] == 0 and c.q_lens[b] == 0:  # no key: defined as zeros
+            if c.fp_lens[b] == 0 and c.lowbit_lens[b] == 0:  # no key: defined as zeros
                 np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
-        live = [b for b in range(c.batch) if c.fp_lens[b] + c.q_lens[b] > 0]
+        live = [b for b in range(c.batch) if c.fp_lens[b] + c.lowbit_lens[b] > 0]
         err = _rel_err(out[jnp.asarray(live)], ref[jnp.asarray(live)])
         assert err < TOL[c.fp_dtype], f"{c=} rel err {err:.2e}"
 
@@ -300,7 +298,7 @@ class TestDecodeAttention:
     def test_bf16_baseline_matches_reference(self, fp_dtype: str):
         c = Case(fp_dtype=fp_dtype, fp_lens=(70, 0), group=4)
         x = make_inputs(c)
-        args = (x["q"], x["k_fp"], x["v_fp"], x["fp_page_table"], x["fp_len"])
+        args = (x["q"], x["fp"])
         ref = da.ref_decode_attention_bf16(*args, sm_scale=0.125)
         out = da.decode_attention_bf16(
             *args,
@@ -315,7 +313,7 @@ class TestDecodeAttention:
         assert _rel_err(out[0], ref[0]) < TOL[fp_dtype]
 
     def test_split_count_does_not_change_result(self):
-        c = Case(batch=1, fp_lens=(40,), q_lens=(96,))
+        c = Case(batch=1, fp_lens=(40,), lowbit_lens=(96,))
         x = make_inputs(c)
         outs = [
             da.decode_attention(
@@ -360,7 +358,7 @@ class TestDecodeAttention:
         ):
             pytest.skip(f"{self.BACKEND} body has no {gather=} / {int_to_float=} / {row_sums=}")
         # Two scale groups, so per-group scales meet the right planes.
-        c = Case(head_dim=128, group_size=64, bits=bits, fp_lens=(20, 5), q_lens=(64, 32))
+        c = Case(head_dim=128, group_size=64, bits=bits, fp_lens=(20, 5), lowbit_lens=(64, 32))
         x = make_inputs(c, seed=2)
         kw = dict(bits=c.bits, sm_scale=c.head_dim**-0.5)
         ref = da.ref_decode_attention(**x, **kw)
@@ -400,17 +398,17 @@ MOSAIC_CASES = (
             head_dim=d,
             bits=bits,
             page=16,
-            page_q=page_q,
+            lowbit_page=lowbit_page,
             num_splits=s,
             pages_per_block=1,
             fp_lens=(35, 16),
-            q_lens=(5 * 64 + 48, 64 + 16),  # ragged: partial last tiles
+            lowbit_lens=(5 * 64 + 48, 64 + 16),  # ragged: partial last tiles
         )
         for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
         for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
-        for page_q in (64, 128)
+        for lowbit_page in (64, 128)
         for s in (1, 3)
-        if not (page_q == 128 and s == 3 and hkv == 8)
+        if not (lowbit_page == 128 and s == 3 and hkv == 8)
     ]
     + [
         Case(
@@ -420,12 +418,12 @@ MOSAIC_CASES = (
             head_dim=d,
             bits=bits,
             page=16,
-            page_q=128,
+            lowbit_page=128,
             value_layout="dims",
             num_splits=s,
             pages_per_block=1,
             fp_lens=(35, 16),
-            q_lens=(3 * 128 + 48, 128 + 16),
+            lowbit_lens=(3 * 128 + 48, 128 + 16),
         )
         for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
         for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
@@ -435,20 +433,20 @@ MOSAIC_CASES = (
         Case(
             batch=3,
             head_dim=128,
-            page_q=64,
+            lowbit_page=64,
             group=4,
             fp_lens=(0, 5, 0),
-            q_lens=(128, 0, 0),
+            lowbit_lens=(128, 0, 0),
             pages_per_block=1,
             num_splits=4,
         ),  # empty splits; a sequence with no key at all
         Case(
             head_dim=128,
-            page_q=64,
+            lowbit_page=64,
             group=4,
             fp_dtype="bfloat16",
             fp_lens=(70, 9),
-            q_lens=(1024, 256),
+            lowbit_lens=(1024, 256),
             pages_per_block=1,
             num_splits=None,
         ),  # automatic splits
@@ -472,7 +470,7 @@ class TestDecodeAttentionMosaic:
             **x, **kw, num_splits=case.num_splits, backend="gpu_mosaic"
         )
         assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
-        live = [b for b in range(case.batch) if case.fp_lens[b] + case.q_lens[b] > 0]
+        live = [b for b in range(case.batch) if case.fp_lens[b] + case.lowbit_lens[b] > 0]
         for b in set(range(case.batch)) - set(live):
             np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
         err = _rel_err(out[jnp.asarray(live)], ref[jnp.asarray(live)])
@@ -504,7 +502,9 @@ def test_mosaic_kernel_lowers_for_cuda(case: Case):
 def test_reference_reads_dims_major_value_pages(bits: int):
     """The dimension-major value layout holds the same codes: the reference gives the
     identical result (it repacks them to the token-major layout, then runs the same ops)."""
-    c = Case(head_dim=64, bits=bits, page=16, page_q=128, q_lens=(256, 144), fp_lens=(20, 3))
+    c = Case(
+        head_dim=64, bits=bits, page=16, lowbit_page=128, lowbit_lens=(256, 144), fp_lens=(20, 3)
+    )
     x_tok = make_inputs(c)
     x_dims = make_inputs(dataclasses.replace(c, value_layout="dims"))
     kw = dict(bits=bits, sm_scale=0.125)
@@ -514,12 +514,12 @@ def test_reference_reads_dims_major_value_pages(bits: int):
 
 
 def test_mosaic_rejects_small_lowbit_pages():
-    x = make_inputs(Case(head_dim=128, page=16, q_lens=(64, 16)))
+    x = make_inputs(Case(head_dim=128, page=16, lowbit_lens=(64, 16)))
     with pytest.raises(ValueError, match="multiple of 64 for backend='gpu_mosaic'"):
         da.decode_attention(**x, bits=2, sm_scale=0.1, backend="gpu_mosaic")
     with pytest.raises(ValueError, match="must equal the full-precision page size"):
         da.decode_attention(
-            **make_inputs(Case(head_dim=128, page_q=64, q_lens=(64, 16))),
+            **make_inputs(Case(head_dim=128, lowbit_page=64, lowbit_lens=(64, 16))),
             bits=2,
             sm_scale=0.1,
             interpret=True,
@@ -566,29 +566,20 @@ def test_quantized_attention_error_budget(bits: int):
     vc, vs, vz = _minmax_quantize(v[:, :, n_fp:], bits)
     k_fp, fp_tab = to_pages(k[:, :, :n_fp])
     v_fp, _ = to_pages(v[:, :, :n_fp])
-    kc_p, q_tab = to_pages(np.asarray(layout.pack_codes(jnp.asarray(kc), bits)))
+    kc_p, low_tab = to_pages(np.asarray(layout.pack_codes(jnp.asarray(kc), bits)))
     vc_p, _ = to_pages(np.asarray(layout.pack_codes(jnp.asarray(vc), bits)))
-    quant = da.decode_attention(
-        q,
-        k_fp,
-        v_fp,
-        fp_tab,
-        jnp.full((b,), n_fp, jnp.int32),
-        kc_p,
-        vc_p,
-        to_pages(ks)[0],
-        to_pages(kz)[0],
-        to_pages(vs)[0],
-        to_pages(vz)[0],
-        q_tab,
+    fp = da.FpPages(k_fp, v_fp, fp_tab, jnp.full((b,), n_fp, jnp.int32))
+    lowbit = da.LowbitPages(
+        da.QuantizedPages(kc_p, to_pages(ks)[0], to_pages(kz)[0]),
+        da.QuantizedPages(vc_p, to_pages(vs)[0], to_pages(vz)[0]),
+        low_tab,
         jnp.full((b,), n_q, jnp.int32),
-        **kw,
     )
+    quant = da.decode_attention(q, fp, lowbit, **kw)
     k_all, all_tab = to_pages(k)
     v_all, _ = to_pages(v)
-    full = da.ref_decode_attention_bf16(
-        q, k_all, v_all, all_tab, jnp.full((b,), n_fp + n_q, jnp.int32), sm_scale=d**-0.5
-    )
+    every = da.FpPages(k_all, v_all, all_tab, jnp.full((b,), n_fp + n_q, jnp.int32))
+    full = da.ref_decode_attention_bf16(q, every, sm_scale=d**-0.5)
     err = _rel_err(quant, full)
     assert err < ERROR_BUDGET[bits], f"{bits}-bit attention rel err {err:.3f}"
     assert err > 1e-3  # the low-bit pages were really used
@@ -650,7 +641,8 @@ def test_exponent_trick_is_exact_for_every_code():
 
 def test_validation_names_bad_shapes():
     x = make_inputs(Case())
-    bad = dict(x, k_codes=x["k_codes"][..., :-1])
+    low = x["lowbit"]
+    bad = dict(x, lowbit=low._replace(k=low.k._replace(codes=low.k.codes[..., :-1])))
     with pytest.raises(ValueError, match="k_codes.shape"):
         da.decode_attention(**bad, bits=2, sm_scale=0.1, interpret=True)
     with pytest.raises(ValueError, match="bits=3"):
@@ -671,8 +663,9 @@ def test_validation_names_bad_shapes():
         )
     with pytest.raises(ValueError, match="row_sums='lazy'"):
         da.decode_attention_variant(**x, bits=2, sm_scale=0.1, interpret=True, row_sums="lazy")
-    with pytest.raises(ValueError, match="q_len.shape"):
-        da.decode_attention(**dict(x, q_len=x["q_len"][:1]), bits=2, sm_scale=0.1)
+    with pytest.raises(ValueError, match="lowbit_len.shape"):
+        short = low._replace(length=low.length[:1])
+        da.decode_attention(**dict(x, lowbit=short), bits=2, sm_scale=0.1)
 
 
 @pytest.mark.parametrize("splits", [1, 5])
