@@ -102,17 +102,16 @@ def _random_lm(c: BenchCalibrationConfig) -> LoadedModel:
 def main(cfg: BenchCalibrationConfig) -> dict:
     lm = _random_lm(cfg) if cfg.random_weights else load_model(cfg.model)
     shape = (cfg.batch_size, cfg.seq_len)
+    budgets = cfg.tokens or (cfg.batches * cfg.batch_size * cfg.seq_len,)
     if cfg.random_weights:
         vocab = lm.cfg.vocab_size
         draw = jax.jit(lambda i: jax.random.randint(jax.random.key(i), shape, 0, vocab))
-        budgets = cfg.tokens or (cfg.batches * cfg.batch_size * cfg.seq_len,)
 
         def batches(n_tokens):  # drawn on the device one at a time: no host copy of the set
             return (draw(i) for i in range(n_tokens // (cfg.batch_size * cfg.seq_len)))
 
         first = draw(-1)
     else:
-        budgets = cfg.tokens or (cfg.batches * cfg.batch_size * cfg.seq_len,)
         n_windows = max(budgets) // cfg.seq_len
         windows = token_windows(assets.calibration_text(), lm.tokenizer, cfg.seq_len, n_windows)
 

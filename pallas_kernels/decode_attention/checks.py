@@ -11,6 +11,17 @@ from pallas_kernels.decode_attention.tiles import BACKENDS
 # ------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------
+def _check_table(table_name, table, len_name, length, b: int) -> None:
+    """A page set's table i32[B, >= 1] and valid-token counts i32[B]."""
+    if table.ndim != 2 or table.shape[0] != b or table.shape[1] < 1:
+        raise ValueError(f"{table_name}.shape={table.shape} must be [B={b}, >=1]")
+    if table.dtype != jnp.int32:
+        raise ValueError(f"{table_name}.dtype={table.dtype} must be int32")
+    if length.shape != (b,) or length.dtype != jnp.int32:
+        raise ValueError(f"{len_name}.shape={length.shape} {len_name}.dtype={length.dtype} "
+                         f"must be int32[{b}]")  # fmt: skip
+
+
 def _validate_fp(q, fp) -> dict[str, int]:
     k_pages, v_pages, page_table, lengths = fp
     if q.ndim != 3:
@@ -25,12 +36,7 @@ def _validate_fp(q, fp) -> dict[str, int]:
     _, hkv, page, _ = k_pages.shape
     if hq % hkv:
         raise ValueError(f"{q.shape=}: Hq={hq} is not a multiple of Hkv={hkv}")
-    if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] < 1:
-        raise ValueError(f"{page_table.shape=} must be [B={b}, >=1]")
-    if page_table.dtype != jnp.int32:
-        raise ValueError(f"{page_table.dtype=} must be int32")
-    if lengths.shape != (b,) or lengths.dtype != jnp.int32:
-        raise ValueError(f"{lengths.shape=} {lengths.dtype=} must be int32[{b}]")
+    _check_table("page_table", page_table, "lengths", lengths, b)
     return {"b": b, "hq": hq, "d": d, "hkv": hkv, "page": page}
 
 
@@ -79,12 +85,7 @@ def _validate(q, fp, lowbit, transforms, *, bits, value_layout="tokens", bits_v=
                     ("v_zero", v_zero)):  # fmt: skip
         if a.dtype.name not in layout.META_DTYPES:
             raise ValueError(f"{name}.dtype={a.dtype} must be one of {layout.META_DTYPES}")
-    if lowbit_table.ndim != 2 or lowbit_table.shape[0] != b or lowbit_table.shape[1] < 1:
-        raise ValueError(f"{lowbit_table.shape=} must be [B={b}, >=1]")
-    if lowbit_table.dtype != jnp.int32:
-        raise ValueError(f"{lowbit_table.dtype=} must be int32")
-    if lowbit_len.shape != (b,) or lowbit_len.dtype != jnp.int32:
-        raise ValueError(f"{lowbit_len.shape=} {lowbit_len.dtype=} must be int32[{b}]")
+    _check_table("lowbit_table", lowbit_table, "lowbit_len", lowbit_len, b)
     for name, t in (("query_transform", query_transform), ("value_inverse", value_inverse)):
         if t is not None and t.shape != (hkv, d, d):
             raise ValueError(f"{name}.shape={t.shape} must be (Hkv={hkv}, d={d}, d={d})")
