@@ -264,6 +264,7 @@ def test_hadamard_needs_power_of_two_head_dim(tmp_path, text_file):
     assert not (tmp_path / "o" / "wush").exists()
 
 
+@pytest.mark.slow
 def test_directional_on_real_model(tmp_path):
     """Shipped SmolLM2, real calibration plays, 2 bits: wush <= oscar < identity, wush < hadamard
     (mean over layers of the held-out attention-output error)."""

@@ -23,7 +23,7 @@ def _codes_case(draw):
     return bits, d, g, codes
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(_codes_case())
 def test_pack_unpack_round_trip(case):
     bits, d, g, codes = case
