@@ -274,12 +274,22 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
         caches = None
 
 
-def _bytes_lowbit(cfg: BenchConfig, batch: int, ctx: int, bits: int) -> tuple[int, int, int]:
+def _bytes_lowbit(
+    cfg: BenchConfig,
+    batch: int,
+    ctx: int,
+    bits: int,
+    bits_v: int | None = None,
+    meta_dtype: str = "float16",
+) -> tuple[int, int, int]:
     """(bytes read, fp tokens, low-bit tokens) for one decode step of one layer."""
-    lay = layout.PageLayout(cfg.page_size, cfg.kv_heads, cfg.head_dim, bits=bits)
     n_fp, n_q = _split_context(cfg, ctx)
-    kv = 2  # keys and values
-    nbytes = batch * kv * (n_q * lay.lowbit_bytes_per_token + n_fp * lay.fp_bytes_per_token)
+    nbytes = 0
+    for b in (bits, bits if bits_v is None else bits_v):  # keys, values
+        lay = layout.PageLayout(
+            cfg.page_size, cfg.kv_heads, cfg.head_dim, bits=b, meta_dtype=meta_dtype
+        )
+        nbytes += batch * (n_q * lay.lowbit_bytes_per_token + n_fp * lay.fp_bytes_per_token)
     return nbytes, n_fp, n_q
 
 
@@ -300,21 +310,32 @@ def _make_lowbit_inputs(
     key,
     page_q: int | None = None,
     value_layout: str = "tokens",
+    bits_v: int | None = None,
+    meta_dtype: str = "float16",
 ) -> dict:
     """Random pools of one layer (``q``, ``fp``, ``lowbit``, ``transforms``: the arguments of
     `decode_attention`); low-bit pages hold ``page_q`` tokens (default: page_size),
-    value codes in ``value_layout`` (`pallas_kernels.layout.VALUE_LAYOUTS`)."""
+    value codes in ``value_layout`` (`pallas_kernels.layout.VALUE_LAYOUTS`) at ``bits_v``
+    bits (default: ``bits``), scale/zero stored as ``meta_dtype``."""
     d, hkv, page = cfg.head_dim, cfg.kv_heads, cfg.page_size
     n = layout.codes_per_byte(bits)
+    n_v = layout.codes_per_byte(bits if bits_v is None else bits_v)
     n_fp, n_q = _split_context(cfg, ctx)
     page_q = page if page_q is None else page_q
     pf, pq = _pages(n_fp, page), _pages(n_q, page_q) if n_q else 1
     ks = jax.random.split(key, 8)
-    f16 = jnp.float16
     q_pages = batch * pq
     codes_shape = (q_pages, hkv, page_q, d // n)
-    v_shape = codes_shape if value_layout == "tokens" else (q_pages, hkv, d, page_q // n)
+    v_shape = (q_pages, hkv, page_q, d // n_v)
+    v_shape = v_shape if value_layout == "tokens" else (q_pages, hkv, d, page_q // n_v)
     meta = (q_pages, hkv, page_q, 1)
+    bv = bits if bits_v is None else bits_v
+
+    def meta_pool(k, kind, width):
+        lo, hi = (0.01, 0.1) if kind == "scale" else (0.0, 2.0**width - 1)
+        x = jax.random.uniform(k, meta, jnp.float32, lo, hi)
+        return layout.encode_meta(x, meta_dtype, kind, width)  # uint8: the nearest byte
+
     fp = da.FpPages(
         k=jax.random.normal(ks[1], (batch * pf, hkv, page, d), jnp.bfloat16),
         v=jax.random.normal(ks[2], (batch * pf, hkv, page, d), jnp.bfloat16),
@@ -324,13 +345,13 @@ def _make_lowbit_inputs(
     lowbit = da.LowbitPages(
         k=da.QuantizedPages(
             jax.random.randint(ks[3], codes_shape, 0, 256, jnp.int32).astype(jnp.uint8),
-            jax.random.uniform(ks[5], meta, f16, 0.01, 0.1),
-            jax.random.uniform(ks[6], meta, f16, 0.0, 2.0**bits - 1),
+            meta_pool(ks[5], "scale", bits),
+            meta_pool(ks[6], "zero", bits),
         ),
         v=da.QuantizedPages(
             jax.random.randint(ks[4], v_shape, 0, 256, jnp.int32).astype(jnp.uint8),
-            jax.random.uniform(ks[7], meta, f16, 0.01, 0.1),
-            jax.random.uniform(ks[5], meta, f16, 0.0, 2.0**bits - 1),
+            meta_pool(ks[7], "scale", bv),
+            meta_pool(jax.random.fold_in(ks[5], 1), "zero", bv),
         ),
         # A shuffled page table: real caches do not hand out pages in order.
         table=jax.random.permutation(ks[6], q_pages).astype(jnp.int32).reshape(batch, pq),
@@ -392,6 +413,10 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # The Triton inner loop is rows + asm + deferred (the other strategies measured slower and
     # were deleted; their rows are in notes/benchmarks_history.md).
     # Stages left out.
+    # Bit allocation's mixed widths and the 8-bit scale/zero encoding (Triton body).
+    "int2_meta_uint8": (2, {}, dict(meta_dtype="uint8")),
+    "int2k_int4v": (2, dict(bits_v=4), {}),
+    "int4k_int2v": (4, dict(bits_v=2), {}),
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
     "int2_fp_segment_only": (2, {}, dict(lowbit_len=0)),
     # Launch shape.
@@ -451,13 +476,24 @@ def with_overrides(x: dict, override: dict, batch: int) -> dict:
 def _lowbit_row(cfg: BenchConfig, batch: int, ctx: int, name: str, key, record) -> None:
     bits, kw, override = lowbit_variant(cfg, batch, ctx, name)
     sm = cfg.head_dim**-0.5
-    nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits)
     override = dict(override)
+    meta_dtype = override.pop("meta_dtype", "float16")
+    nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, bits, kw.get("bits_v"), meta_dtype)
     page_q = override.pop("lowbit_page_size", None)
     vl = kw.get("value_layout", "tokens")
     caches = []
     for r in range(copies_for(nbytes)):
-        x = _make_lowbit_inputs(cfg, batch, ctx, bits, jax.random.fold_in(key, r), page_q, vl)
+        x = _make_lowbit_inputs(
+            cfg,
+            batch,
+            ctx,
+            bits,
+            jax.random.fold_in(key, r),
+            page_q,
+            vl,
+            bits_v=kw.get("bits_v"),
+            meta_dtype=meta_dtype,
+        )
         x.pop("q")
         caches.append(with_overrides(x, override, batch))
     qs = _queries(cfg, batch, key, len(caches))
