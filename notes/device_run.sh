@@ -8,11 +8,11 @@
 # sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
 # workers on the one GPU when pytest-xdist is there or its wheels were carried in .whl/.
 set -u
-out=$1; bench_args=$2; steps=${3:-tests,bench,engine}
+out=$1; bench_args=$2; steps=",${3:-tests,bench,engine},"  # matched as ,name,
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import jax, triton; print('jax', jax.__version__, 'triton', triton.__version__)" >> "$out/gpu.txt" 2>&1
-if [[ $steps == *tests* ]]; then
+if [[ $steps == *,tests,* ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider \
     tests/pallas_kernels/test_decode_attention.py \
     -k "TestDecodeAttention and not Interpret and not sweep" > "$out/tests.log" 2>&1
@@ -27,7 +27,7 @@ for mod in xdist:pytest-xdist execnet:execnet hypothesis:hypothesis sortedcontai
   python3 -c "import ${mod%%:*}" 2>/dev/null ||
     python3 -m pip install -q --no-index --no-deps --find-links .whl "${mod##*:}" > /dev/null 2>&1
 done
-if [[ $steps == *mosaic* ]]; then
+if [[ $steps == *,mosaic,* ]]; then
   # The Mosaic GPU body against the reference (its own sweep; no interpret twin exists).
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n ${MOSAIC_WORKERS:-8}"
   # shellcheck disable=SC2086
@@ -37,7 +37,7 @@ if [[ $steps == *mosaic* ]]; then
     > "$out/mosaic_tests.log" 2>&1
   echo "mosaic tests rc=$?" >> "$out/gpu.txt"
 fi
-if [[ $steps == *sweep* ]]; then
+if [[ $steps == *,sweep,* ]]; then
   par=""; python3 -c "import xdist" 2>/dev/null && par="-n 4"
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SWEEP_TIMEOUT:-420} python3 -m pytest -q \
@@ -46,18 +46,18 @@ if [[ $steps == *sweep* ]]; then
     > "$out/sweep.log" 2>&1
   echo "sweep rc=$? (${par:-serial})" >> "$out/gpu.txt"
 fi
-if [[ $steps == *suite* ]]; then
+if [[ $steps == *,suite,* ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q \
     -p no:cacheprovider -n 8 -rfE > "$out/suite.log" 2>&1
   echo "suite rc=$?" >> "$out/gpu.txt"
 fi
-if [[ $steps == *bench* ]]; then
+if [[ $steps == *,bench,* ]]; then
   # shellcheck disable=SC2086
   timeout ${BENCH_TIMEOUT:-300} python3 -m eval.bench_decode $bench_args --out "$out/bench_decode.json" \
     > "$out/bench.log" 2>&1
   echo "bench rc=$?" >> "$out/gpu.txt"
 fi
-if [[ $steps == *ncu* ]]; then
+if [[ $steps == *,ncu,* ]]; then
   for v in ${NCU_VARIANTS:-int2_pallas}; do
     timeout 120 ncu --clock-control none -k regex:paged_decode_int --launch-count 1 \
       --section LaunchStats --section Occupancy --section WarpStateStats \
@@ -66,7 +66,7 @@ if [[ $steps == *ncu* ]]; then
     echo "ncu $v rc=$?" >> "$out/gpu.txt"
   done
 fi
-if [[ $steps == *ncumosaic* ]]; then
+if [[ $steps == *,ncumosaic,* ]]; then
   # The Mosaic split kernel alone per stage (loads only ... everything) under ncu: DRAM and L2
   # throughput, TMA/barrier stalls, occupancy: why the TMA ring alone reads 64% of the ceiling.
   for st in ${NCU_MOSAIC_STAGES:-loads full}; do
@@ -78,7 +78,7 @@ if [[ $steps == *ncumosaic* ]]; then
     echo "ncu mosaic $st rc=$?" >> "$out/gpu.txt"
   done
 fi
-if [[ $steps == *kernels* ]]; then
+if [[ $steps == *,kernels,* ]]; then
   # Every kernel of one decode-attention call (the last of two) with its duration: where the
   # fixed cost at batch 1 goes (prologue, split kernel, merge fusions, epilogue).
   for pt in ${KERNEL_POINTS:-1x65536 8x131072}; do
@@ -87,12 +87,12 @@ if [[ $steps == *kernels* ]]; then
     echo "kernels $pt rc=$?" >> "$out/gpu.txt"
   done
 fi
-if [[ $steps == *paged* ]]; then
+if [[ $steps == *,paged,* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m "" \
     tests/kvjax/cache/test_paged_cache.py -k "pallas or identity" > "$out/paged_tests.log" 2>&1
   echo "paged rc=$?" >> "$out/gpu.txt"
 fi
-if [[ $steps == *engine* ]]; then
+if [[ $steps == *,engine,* ]]; then
   timeout 240 python3 -m eval.bench_engine --layers 4 --new-tokens 32 \
     --modes bf16_dense int2_pallas int2_reference --out "$out/bench_engine" > "$out/engine.log" 2>&1
   echo "engine rc=$?" >> "$out/gpu.txt"
