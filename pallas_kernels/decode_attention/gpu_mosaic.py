@@ -23,10 +23,9 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   and the zero-point term ``sum_t p_t s_t z_t`` a column sum. With dimension-major value
   pages (`layout.VALUE_LAYOUTS` ``"dims"``, 128-token pages) each half-plane of the
   ``[d, tile / n]`` code tile is the register A operand over a contiguous block of
-  ``tile / (2 n)`` tokens (the layout places them so), as exact codes (an offset carried
-  through this MMA loses precision: its accumulation is narrower than float32). With
-  token-major pages the half-planes are written as exact float16 into a ``[tile, d]`` shared
-  tile (channels in half-plane order, undone on the host) that the
+  ``tile / (2 n)`` tokens (the layout places them so); its offset ``M_e`` joins the zero
+  point of those tokens. With token-major pages the half-planes are written as exact float16
+  into a ``[tile, d]`` shared tile (channels in half-plane order, undone on the host) that the
   MMA reads transposed.
 * **Pipeline**: each tile arrives by TMA (key and value codes and the four per-token metadata
   rows: six copies) into a ``STAGES``-deep shared-memory ring, one mbarrier per slot; tile
@@ -151,6 +150,7 @@ _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, 
 def _kernel(
     q_gmem,  # f16[B, Hkv, 2n, N, Wk] query channels of each key half-plane, times scale_log2
     qc_gmem,  # f32[B, Hkv, 2, 32]: sum(q) per column, then -sum_e M_e (q_e . 1)
+    vmag_gmem,  # f32[tile]: the dims value half-planes' offset M_e of each token row
     kc_gmem,  # i16[P, Hkv, page, Wk] (two code bytes per word)
     vc_gmem,  # i16[P, Hkv, page, Wk] or [P, Hkv, d, page / 2n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
@@ -163,6 +163,7 @@ def _kernel(
     l_gmem,  # f32[B, Hkv, S, N]
     q_smem,
     qc_smem,
+    vmag_smem,
     tab_smem,
     ring,  # the loop's buffers, aliased with the epilogue's f32[d, N] output tile
     v16_smem,
@@ -189,6 +190,7 @@ def _kernel(
     tiles_per_page = page // tile
     plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(qc_gmem.at[bi, h], qc_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(vmag_gmem, vmag_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
@@ -223,6 +225,7 @@ def _kernel(
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
     qsum = plgpu.load(qc_smem.at[0, pl.ds(0, npad)], (), layout=col)
     key_start = bcast_col(plgpu.load(qc_smem.at[1, pl.ds(0, npad)], (), layout=col))
+    vmag = plgpu.load(vmag_smem, (), layout=row)
 
     def planes(tile_ref, exact=False):
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
@@ -260,6 +263,8 @@ def _kernel(
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits - bcast_col(m_new))
         vs, vz = meta(2, slot), meta(3, slot)
+        if value_layout == "dims":
+            vz = vz + vmag  # the half-planes' float16 offsets join the zero points
         pv = p * bcast_row(vs)
         pvz = pv * bcast_row(vz)
         if masked:
@@ -274,10 +279,7 @@ def _kernel(
         if value_layout == "dims":
             # Half-planes of the [d, tile / 2n] tile are register operands over tokens
             # [e * kb, (e + 1) * kb): nothing goes through shared memory but p.
-            # Exact codes: an offset carried through the MMA costs the value product
-            # precision (run 40: 5e-3 relative error at 2 bits; the tensor core's
-            # accumulation is narrower than float32).
-            v_planes = planes(v_smem.at[slot], exact=True)
+            v_planes = planes(v_smem.at[slot])
         else:
             for e, plane in enumerate(planes(v_smem.at[slot], exact=True)):
                 v16_smem.at[:, pl.ds(e * wk, wk)][...] = plane
@@ -382,9 +384,11 @@ def lowbit_partials(
         kb = tile // (2 * n)  # tokens per value half-plane
         v_smem = plgpu.SMEM((STAGES, d, kb), jnp.int16, transforms=_swizzled(2 * kb))
         v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
+        vmag = jnp.repeat(offsets, kb)  # token rows of half-plane e carry M_e
     else:
         v_smem = plgpu.SMEM((STAGES, tile, wk), jnp.int16, transforms=_swizzled(2 * wk))
         v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(32))
+        vmag = jnp.zeros((tile,), jnp.float32)
     kernel = functools.partial(
         _kernel,
         n=n,
@@ -425,16 +429,17 @@ def lowbit_partials(
         scratch_types=dict(
             q_smem=plgpu.SMEM((2 * n, npad, wk), jnp.float16, transforms=_swizzled(2 * wk)),
             qc_smem=plgpu.SMEM((2, _COPY_WORDS), jnp.float32),
+            vmag_smem=plgpu.SMEM((tile,), jnp.float32),
             tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
             ring=ring,
             v16_smem=v16_smem,
             vec_smem=plgpu.SMEM((2, npad), jnp.float32),
-            bar_in=plgpu.Barrier(num_arrivals=3, num_barriers=1),
+            bar_in=plgpu.Barrier(num_arrivals=4, num_barriers=1),
             bars=plgpu.Barrier(
                 num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES
             ),
         ),
-    )(q_planes, qc, _as_words(kc), _as_words(vc), *metas, tab_ext)
+    )(q_planes, qc, vmag, _as_words(kc), _as_words(vc), *metas, tab_ext)
     if value_layout == "tokens":  # output rows in half-plane channel order: back to channels
         acc = acc[..., np.argsort(dims.reshape(-1)), :]
     acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
