@@ -53,14 +53,11 @@ All cached vectors are stored in the transformed frame (``x @ A``).
 Value pages, dimension-major (``value_layout="dims"``)
 -----------------------------------------------------
 A value page may instead store its codes packed along *tokens*: ``u8[num_pages, kv_heads,
-head_dim, page_size // n]``, so that a page is a ``[head_dim, ...]`` tile whose contraction
-axis is tokens, which is what the value product ``O^T = V^T p`` needs as the register operand
-of a tensor-core MMA (the Mosaic GPU decode body). The kernel reads a row as 16-bit words, and
-each word's low byte and high byte each give ``n`` codes; the tokens are placed so that every
-one of those ``2 n`` "half-planes" is a contiguous block of ``h = page_size // (2 n)`` tokens:
-byte ``b`` of a dimension row holds, at bit offset ``i * bits``, the code of token
-``((b mod 2) * n + i) * h + b // 2`` (`dims_major_token_order`). Scales and zeros keep their
-per-token layout.
+head_dim, page_size // n]``, byte ``j`` of dimension row ``r`` holding the codes of tokens
+``j + i * (page_size // n)`` (planar, as above, but over the page's tokens). Each plane of a
+page is then a ``[head_dim, page_size // n]`` tile whose contraction axis is tokens, which is
+what the value product ``O^T = V^T p`` needs as the register operand of a tensor-core MMA
+(the Mosaic GPU decode body). Scales and zeros keep their per-token layout.
 """
 
 from __future__ import annotations
@@ -358,27 +355,14 @@ def decode_zero(stored: jax.Array, bits: int) -> jax.Array:  # meta[...] -> f32[
 VALUE_LAYOUTS: tuple[str, ...] = ("tokens", "dims")
 
 
-def dims_major_token_order(page_size: int, bits: int) -> list[int]:
-    """``order[k]``: the page token whose code is the ``k``-th of a dimension-major row packed
-    planar (`pack_codes` of the row ``codes[order]``; see the module docstring)."""
-    n = codes_per_byte(bits)
-    if not is_packed(bits) or page_size % (2 * n):
-        raise ValueError(f"no dimension-major layout for {page_size=} at {bits=}")
-    row_bytes, h = page_size // n, page_size // (2 * n)
-    order = []
-    for k in range(page_size):
-        b, i = k % row_bytes, k // row_bytes  # byte b, plane i
-        order.append(((b % 2) * n + i) * h + b // 2)
-    return order
-
-
 def pack_value_page_dims_major(
     codes: jax.Array,  # u8[..., page, d], each value in [0, 2**bits)
     bits: int,
 ) -> jax.Array:  # u8[..., d, page // n]
     """Packs a value page dimension-major (see the module docstring), 2 or 4 bits."""
-    order = jnp.asarray(dims_major_token_order(codes.shape[-2], bits))
-    return pack_codes(jnp.swapaxes(codes[..., order, :], -1, -2), bits)
+    if not is_packed(bits):
+        raise ValueError(f"bits={bits} has no packed dimension-major layout")
+    return pack_codes(jnp.swapaxes(codes, -1, -2), bits)
 
 
 def unpack_value_page_dims_major(
@@ -387,9 +371,7 @@ def unpack_value_page_dims_major(
     page_size: int,
 ) -> jax.Array:  # u8[..., page, d]
     """Inverse of `pack_value_page_dims_major`."""
-    order = dims_major_token_order(page_size, bits)
-    inverse = jnp.argsort(jnp.asarray(order))
-    return jnp.swapaxes(unpack_codes(packed, bits, page_size), -1, -2)[..., inverse, :]
+    return jnp.swapaxes(unpack_codes(packed, bits, page_size), -1, -2)
 
 
 @dataclasses.dataclass(frozen=True)

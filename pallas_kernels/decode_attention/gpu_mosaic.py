@@ -4,29 +4,23 @@ dimension of the warpgroup MMA.
 Grid ``(B, Hkv, S)``: one CTA (one warpgroup) per (sequence, KV head, split) walks its split's
 low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
 
-* **Codes as the register operand, read as 16-bit words.** A packed code tile is loaded to
-  registers as int16 words (two code bytes each), which is already the layout of a float16
-  MMA operand. Each word yields ``2 n`` "half-planes" (the ``n`` codes of its low byte and of
-  its high byte, `_half_planes`): a mask and an OR under a float16 exponent turn a code into
-  the float16 ``M + c`` (no integer-to-float conversion; two codes per 32-bit instruction),
-  after a shift that puts it at mantissa bit 4 or above so that ``M <= 64`` (the float32
-  accumulator then carries the offset without losing the codes' precision).
-* **Keys** ``logits^T[tile, N] = sum_e half_plane_e @ q_e^T``: ``2 n`` warpgroup MMAs of
-  K = d / (2 n), each against the query channels that half-plane holds (the query is permuted
-  on the host, `key_half_plane_dims`, shared memory, group padded to N = 16). The
-  accumulator starts at ``-sum_e M_e (q_e . 1)``, which removes the offsets; scales and zero
-  points apply per token row afterwards (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md
-  section 5).
+* **Keys on the tensor cores, codes as the register operand.** A ``[tile, d/n]`` byte tile of
+  planar-packed key codes (`pallas_kernels.layout`) is loaded to registers once; plane ``i``
+  is already a ``[tile, d/n]`` array in the MMA's A layout, so
+  ``logits^T[tile, N] = sum_i plane_i @ q_i^T`` is ``n`` warpgroup MMAs of K = d/n against the
+  matching column block of the transformed query (shared memory, group padded to N = 16).
+  A plane becomes float16 without an integer-to-float conversion (`_plane_to_f16`: a mask,
+  an OR under a float16 exponent and a subtraction, two codes per 32-bit instruction).
+  Scales and zero points are applied per token row afterwards
+  (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5).
 * **Softmax over the token axis** (axis 0 of the accumulator: a cross-warp reduction), base 2,
   the query carrying ``sm_scale * log2(e)``.
-* **Values** ``O^T[d, N] = V^T (p s)`` with ``p * s_v`` as the B operand (shared memory)
-  and the zero-point term ``sum_t p_t s_t z_t`` a column sum. With dimension-major value
-  pages (`layout.VALUE_LAYOUTS` ``"dims"``, 128-token pages) each half-plane of the
-  ``[d, tile / n]`` code tile is the register A operand over a contiguous block of
-  ``tile / (2 n)`` tokens (the layout places them so); its offset ``M_e`` joins the zero
-  point of those tokens. With token-major pages the half-planes are written as exact float16
-  into a ``[tile, d]`` shared tile (channels in half-plane order, undone on the host) that the
-  MMA reads transposed.
+* **Values** ``O^T[d, N] = V^T (p s)`` with ``p * s_v`` as the B operand (shared memory) and
+  the zero-point term ``sum_t p_t s_t z_t`` a column sum. With dimension-major value pages
+  (`layout.VALUE_LAYOUTS` ``"dims"``, 128-token pages) each plane of the ``[d, tile/n]`` code
+  tile is the register A operand over ``tile/n`` tokens. With token-major pages the planes are
+  written as float16 into a ``[tile, d]`` shared tile that the MMA reads transposed (their
+  contraction runs over tokens, so they cannot be a register operand).
 * **Pipeline**: each tile arrives by TMA (key and value codes and the four per-token metadata
   rows: six copies) into a ``STAGES``-deep shared-memory ring, one mbarrier per slot; tile
   ``i + STAGES - 1`` is requested before tile ``i`` is computed. The ring shares its memory
@@ -39,8 +33,9 @@ The split partials (``acc`` with the zero-point term folded in, running max ``m`
 denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
 kernel combines them with the full-precision segment's partials. Supported: scale/zero groups
 of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 or 64 bytes
-(2 bits at d = 128/256, 4 bits at d = 64/128), low-bit pages of a multiple of 64 tokens
-(steps of 128 tokens when pages hold 128).
+(2 bits at d = 128/256, 4 bits at d = 64/128; 128-byte rows, 4 bits at d = 256, gave wrong
+results in run 20), low-bit pages of a multiple of 64 tokens (steps of 128 tokens when pages
+hold 128).
 """
 
 from __future__ import annotations
@@ -50,7 +45,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -62,14 +56,11 @@ from pallas_kernels.decode_attention import tiles as da
 TILE = 64  # tokens per step at least: the M of one warpgroup MMA
 MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA)
 STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a step does
-# N of the MMAs (the GQA group, padded): the value product's B operand (p, [tile, N] float16)
-# needs 32-byte rows, the narrowest swizzle; Mosaic GPU cannot store p transposed.
-GROUP_PAD = 16
+GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
-# valid-token count) is padded to 32 int32 entries, the per-column query sums to 32 floats.
+# valid-token count) is padded to 32 int32 entries, sum(q) to 32 floats.
 _COPY_WORDS = 32
-_LOWEST_BIT = 4  # codes sit at mantissa bit >= 4: float16 offsets M = 2^(10 - bit) <= 64
 
 
 def supports(*, head_dim: int, bits: int, group_size: int, group: int, page_size: int) -> bool:
@@ -91,68 +82,29 @@ def _swizzled(rows_bytes: int, bits: int = 16):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def half_plane_sources(bits: int) -> list[tuple[int, int, int, int]]:
-    """Per half-plane ``e = hi * n + i`` of a 16-bit word (code ``i`` of its low byte, then of
-    its high byte): ``(hi, i, shift, bit)``. The word is shifted left by ``-shift`` or right by
-    ``shift`` so that the code lands at mantissa bit ``bit`` (``_LOWEST_BIT`` .. ``10 - bits``).
+def _plane_to_f16(w: jax.Array, i: int, bits: int) -> jax.Array:
+    """Codes of plane ``i`` of zero-extended code bytes ``w`` (int16) as exact float16.
+
+    No integer-to-float conversion (a quarter-rate instruction, 8192 per 64-token tile, the
+    largest cost of the first Mosaic body): the plane's bits are masked in place and OR-ed
+    under a float16 exponent that makes the mantissa count in units of one code, i.e.
+    ``bits(2^(10 - bits*i) + c)``; subtracting ``2^(10 - bits*i)`` leaves ``c`` exactly. Two
+    codes per 32-bit register: one LOP3 and one HSUB2 per pair.
     """
-    n = layout.codes_per_byte(bits)
-    out = []
-    for hi in (0, 1):
-        for i in range(n):
-            at = 8 * hi + bits * i
-            shift = next(t for t in (0, -4, 4, 8) if _LOWEST_BIT <= at - t <= 10 - bits)
-            out.append((hi, i, shift, at - shift))
-    return out
-
-
-def half_plane_offsets(bits: int) -> list[float]:
-    """``M_e``: the float16 value of code 0 in half-plane ``e`` (`_half_planes`)."""
-    return [2.0 ** (10 - bit) for *_, bit in half_plane_sources(bits)]
-
-
-def key_half_plane_dims(bits: int, width: int) -> np.ndarray:
-    """``dims[e, j]``: the channel of column ``j`` of key half-plane ``e`` (``width`` packed
-    bytes per row, `pallas_kernels.layout` planar packing: byte ``b`` holds channel
-    ``b + i * width`` at plane ``i``; word ``j`` is bytes ``2 j`` and ``2 j + 1``)."""
-    j = np.arange(width // 2)
-    return np.stack([i * width + 2 * j + hi for hi, i, *_ in half_plane_sources(bits)])
-
-
-def _half_planes(w: jax.Array, bits: int, exact: bool = False) -> list[jax.Array]:
-    """The ``2 n`` half-planes of int16 words ``w`` as float16 ``M_e + c`` (``c`` if exact).
-
-    Code bits are masked in place and OR-ed under a float16 exponent that makes the mantissa
-    count in units of one code: ``bits(2^(10 - bit) + c)``. One shifted copy of ``w`` per
-    distinct shift (three), then one LOP3 per two codes; ``exact`` adds one HSUB2.
-    """
-    shifted = {}
-    out = []
-    for _, _, shift, bit in half_plane_sources(bits):
-        if shift not in shifted:
-            if shift < 0:
-                shifted[shift] = lax.shift_left(w, jnp.int16(-shift))
-            elif shift > 0:
-                shifted[shift] = lax.shift_right_logical(w, jnp.int16(shift))
-            else:
-                shifted[shift] = w
-        src = shifted[shift]
-        exponent = 25 - bit  # float16 2^(10 - bit): 15 bias + (10 - bit)
-        code_bits = (src & jnp.int16(((1 << bits) - 1) << bit)) | jnp.int16(exponent << 10)
-        x = lax.bitcast_convert_type(code_bits, jnp.float16)
-        out.append(x - jnp.float16(2.0 ** (10 - bit)) if exact else x)
-    return out
+    shift = bits * i
+    exponent = 25 - shift  # float16 2^(10 - shift): 15 bias + (10 - shift)
+    code_bits = (w & jnp.int16(((1 << bits) - 1) << shift)) | jnp.int16(exponent << 10)
+    return lax.bitcast_convert_type(code_bits, jnp.float16) - jnp.float16(2.0 ** (10 - shift))
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
 
 
 def _kernel(
-    q_gmem,  # f16[B, Hkv, 2n, N, Wk] query channels of each key half-plane, times scale_log2
-    qc_gmem,  # f32[B, Hkv, 2, 32]: sum(q) per column, then -sum_e M_e (q_e . 1)
-    vmag_gmem,  # f32[tile]: the dims value half-planes' offset M_e of each token row
-    kc_gmem,  # i16[P, Hkv, page, Wk] (two code bytes per word)
-    vc_gmem,  # i16[P, Hkv, page, Wk] or [P, Hkv, d, page / 2n] (dims)
+    q_gmem,  # f16[B, Hkv, n, N, W] transformed query planes, times scale_log2
+    qsum_gmem,  # f32[B, Hkv, 32] sum over channels of the float16 query, per column
+    kc_gmem,  # u8[P, Hkv, page, W]
+    vc_gmem,  # u8[P, Hkv, page, W] or [P, Hkv, d, page / n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
     kz_gmem,
     vs_gmem,
@@ -162,8 +114,7 @@ def _kernel(
     m_gmem,  # f32[B, Hkv, S, N]
     l_gmem,  # f32[B, Hkv, S, N]
     q_smem,
-    qc_smem,
-    vmag_smem,
+    qsum_smem,
     tab_smem,
     ring,  # the loop's buffers, aliased with the epilogue's f32[d, N] output tile
     v16_smem,
@@ -179,18 +130,17 @@ def _kernel(
     stage: str,
     value_layout: str,
 ):
-    # k [STAGES, tile, Wk]; v [STAGES, tile, Wk] or [STAGES, d, tile / 2n]; meta
+    # k [STAGES, tile, W]; v [STAGES, tile, W] or [STAGES, d, tile / n]; meta
     # f16[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
     (k_smem, v_smem, meta_smem, p_smem), out_smem = ring
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
     si = lax.axis_index("s")
-    npad, wk = q_smem.shape[1], q_smem.shape[2]
-    d = n * 2 * wk
+    width = q_smem.shape[-1]
+    d = n * width
     tiles_per_page = page // tile
     plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
-    plgpu.copy_gmem_to_smem(qc_gmem.at[bi, h], qc_smem, bar_in.at[0])
-    plgpu.copy_gmem_to_smem(vmag_gmem, vmag_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, h], qsum_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
@@ -206,7 +156,7 @@ def _kernel(
         rows = pl.ds(lax.rem(step, tiles_per_page) * tile, tile)
         bar = bars.at[slot]
         plgpu.copy_gmem_to_smem(kc_gmem.at[pg, h, rows], k_smem.at[slot], bar)
-        if value_layout == "dims":  # one tile per page: the whole [d, page / 2n] block
+        if value_layout == "dims":  # one tile per page: the whole [d, page / n] block
             plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h], v_smem.at[slot], bar)
         else:
             plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
@@ -220,21 +170,19 @@ def _kernel(
 
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # a value per query column
-    shape = (tile, npad)
+    qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
+    shape = (tile, GROUP_PAD)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
-    qsum = plgpu.load(qc_smem.at[0, pl.ds(0, npad)], (), layout=col)
-    key_start = bcast_col(plgpu.load(qc_smem.at[1, pl.ds(0, npad)], (), layout=col))
-    vmag = plgpu.load(vmag_smem, (), layout=row)
 
-    def planes(tile_ref, exact=False):
-        w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
-        return _half_planes(w, bits, exact)
+    def planes(tile_ref):
+        w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
+        return [_plane_to_f16(w, i, bits) for i in range(n)]
 
     def meta(r, slot):
         return plgpu.load(meta_smem.at[r, slot], (), layout=row).astype(jnp.float32)
 
-    def step(i, carry, *, masked: bool):
+    def step(i, carry):
         acc, m_i, l_i, zc = carry
         slot = lax.rem(i, STAGES)
         nxt = i + STAGES - 1
@@ -248,28 +196,23 @@ def _kernel(
             return carry
 
         def keys(acc_ref):
-            for e, plane in enumerate(planes(k_smem.at[slot])):
-                plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[e], (1, 0)))
+            for p, plane in enumerate(planes(k_smem.at[slot])):
+                plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
             plgpu.wgmma_wait(0)
+            return acc_ref[...]
 
-        raw = pl.run_state(keys)(plgpu.ACC.init(key_start))
+        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = meta(0, slot), meta(1, slot)
         logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
-        if masked:  # the last, partial tile: rows past the count may hold NaN scales
-            tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            valid = tok + i * tile < count
-            logits = jnp.where(valid, logits, da.NEG_INF)
+        tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
+        valid = tok < count
+        logits = jnp.where(valid, logits, da.NEG_INF)
         m_new = jnp.maximum(m_i, logits.max(axis=0))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits - bcast_col(m_new))
         vs, vz = meta(2, slot), meta(3, slot)
-        if value_layout == "dims":
-            vz = vz + vmag  # the half-planes' float16 offsets join the zero points
-        pv = p * bcast_row(vs)
-        pvz = pv * bcast_row(vz)
-        if masked:
-            pv = jnp.where(valid, pv, 0.0)
-            pvz = jnp.where(valid, pvz, 0.0)
+        pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
+        pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
         # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
         # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
         l_i = l_i * bcast_col(alpha) + p
@@ -277,21 +220,22 @@ def _kernel(
         if stage == "keys":  # no value product
             return acc, m_new, l_i, zc
         if value_layout == "dims":
-            # Half-planes of the [d, tile / 2n] tile are register operands over tokens
-            # [e * kb, (e + 1) * kb): nothing goes through shared memory but p.
+            # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
+            # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
+            # but the probabilities.
             v_planes = planes(v_smem.at[slot])
         else:
-            for e, plane in enumerate(planes(v_smem.at[slot], exact=True)):
-                v16_smem.at[:, pl.ds(e * wk, wk)][...] = plane
+            for c, plane in enumerate(planes(v_smem.at[slot])):
+                v16_smem.at[:, pl.ds(c * width, width)][...] = plane
         p_smem[...] = pv.astype(jnp.float16)
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
-        acc = acc * lax.broadcast_in_dim(alpha, (d, npad), [1])
+        acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
 
         def values(acc_ref):
             if value_layout == "dims":
-                kb = tile // (2 * n)
-                for e, plane in enumerate(v_planes):
-                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(e * kb, kb)])
+                kb = tile // n
+                for c, plane in enumerate(v_planes):
+                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
             else:
                 plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
             plgpu.wgmma_wait(0)
@@ -301,18 +245,15 @@ def _kernel(
 
     wgmma_layout = plgpu.Layout.WGMMA
     carry = (
-        plgpu.layout_cast(jnp.zeros((d, npad), jnp.float32), wgmma_layout),
-        plgpu.layout_cast(jnp.full((npad,), da.NEG_INF, jnp.float32), col),
+        plgpu.layout_cast(jnp.zeros((d, GROUP_PAD), jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.full((GROUP_PAD,), da.NEG_INF, jnp.float32), col),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
     )
-    # Full tiles without the token mask, then the partial tile (if any) with it.
-    n_full = count // tile
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-    acc, m_i, l_i, zc = lax.fori_loop(n_full, n_steps, functools.partial(step, masked=True), carry)
+    acc, m_i, l_i, zc = lax.fori_loop(0, n_steps, step, carry)
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
-    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, npad), [1])
+    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, GROUP_PAD), [1])
     vec_smem.at[0][...] = m_i
     vec_smem.at[1][...] = l_i
     plgpu.commit_smem()
@@ -322,12 +263,8 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _as_words(codes: jax.Array) -> jax.Array:  # u8[..., 2m] -> i16[..., m], little-endian
-    return lax.bitcast_convert_type(codes.reshape(*codes.shape[:-1], -1, 2), jnp.int16)
-
-
 def lowbit_partials(
-    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries (any Gp >= group)
+    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries (any Gp <= GROUP_PAD)
     lowbit_set: tuple,  # (kc, vc, ks, kz, vs, vz, table i32[B, S, pps], len i32[B])
     *,
     bits: int,
@@ -343,10 +280,9 @@ def lowbit_partials(
     and denominator, as the Triton body returns them.
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
-    b, hkv, _, d = qg.shape
+    b, hkv, gp, d = qg.shape
     n = layout.codes_per_byte(bits)
     width = d // n
-    wk = width // 2
     page = kc.shape[2]
     s, pps = tab.shape[1], tab.shape[2]
     if not supports(
@@ -355,18 +291,12 @@ def lowbit_partials(
         raise ValueError(f"unsupported by the Mosaic GPU body: {d=} {bits=} {page=} {group=}")
     if stage not in STAGES_KINDS:
         raise ValueError(f"stage={stage!r} must be one of {STAGES_KINDS}")
-    npad = GROUP_PAD
-    # Query channels per key half-plane, float16 as the MMA reads them; the sums from the
-    # same rounded values.
+    # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, npad - group), (0, 0)))
-    dims = key_half_plane_dims(bits, width)  # [2n, wk]
-    q_planes = qs[..., dims].transpose(0, 1, 3, 2, 4)  # [B, Hkv, 2n, N, wk]
-    offsets = jnp.asarray(half_plane_offsets(bits), jnp.float32)
-    qf = q_planes.astype(jnp.float32)
-    key_start = -jnp.einsum("e,bhenj->bhn", offsets, qf)
-    qc = jnp.stack([jnp.sum(qf, axis=(2, 4)), key_start], axis=2)  # [B, Hkv, 2, N]
-    qc = jnp.pad(qc, ((0, 0), (0, 0), (0, 0), (0, _COPY_WORDS - npad)))
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
+    q_planes = qs.reshape(b, hkv, GROUP_PAD, n, width).transpose(0, 1, 3, 2, 4)
+    qsum = jnp.sum(qs.astype(jnp.float32), axis=-1)  # [B, Hkv, N]
+    qsum = jnp.pad(qsum, ((0, 0), (0, 0), (0, _COPY_WORDS - GROUP_PAD)))
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
     count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
@@ -381,14 +311,11 @@ def lowbit_partials(
     if value_layout == "dims":
         if tile != page:
             raise ValueError(f"value_layout='dims' needs {MAX_TILE}-token pages, got {page=}")
-        kb = tile // (2 * n)  # tokens per value half-plane
-        v_smem = plgpu.SMEM((STAGES, d, kb), jnp.int16, transforms=_swizzled(2 * kb))
+        v_smem = plgpu.SMEM((STAGES, d, tile // n), jnp.uint8, transforms=_swizzled(tile // n, 8))
         v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
-        vmag = jnp.repeat(offsets, kb)  # token rows of half-plane e carry M_e
     else:
-        v_smem = plgpu.SMEM((STAGES, tile, wk), jnp.int16, transforms=_swizzled(2 * wk))
-        v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(32))
-        vmag = jnp.zeros((tile,), jnp.float32)
+        v_smem = plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8))
+        v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
     kernel = functools.partial(
         _kernel,
         n=n,
@@ -409,39 +336,36 @@ def lowbit_partials(
     )
     ring = plgpu.RefUnion(
         (
-            plgpu.SMEM((STAGES, tile, wk), jnp.int16, transforms=_swizzled(2 * wk)),
+            plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
             v_smem,
             plgpu.SMEM((4, STAGES, tile), jnp.float16),
-            plgpu.SMEM((tile, npad), jnp.float16, transforms=_swizzled(2 * npad)),
+            plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
         ),
-        plgpu.SMEM((d, npad), jnp.float32),
+        plgpu.SMEM((d, GROUP_PAD), jnp.float32),
     )
     acc, m, l = plgpu.kernel(
         kernel,
         compiler_params=params,
         out_type=(
-            jax.ShapeDtypeStruct((b, hkv, s, d, npad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, npad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, npad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, d, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
         ),
         grid=(b, hkv, s),
         grid_names=("b", "h", "s"),
         scratch_types=dict(
-            q_smem=plgpu.SMEM((2 * n, npad, wk), jnp.float16, transforms=_swizzled(2 * wk)),
-            qc_smem=plgpu.SMEM((2, _COPY_WORDS), jnp.float32),
-            vmag_smem=plgpu.SMEM((tile,), jnp.float32),
+            q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
+            qsum_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
             tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
             ring=ring,
             v16_smem=v16_smem,
-            vec_smem=plgpu.SMEM((2, npad), jnp.float32),
-            bar_in=plgpu.Barrier(num_arrivals=4, num_barriers=1),
+            vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
+            bar_in=plgpu.Barrier(num_arrivals=3, num_barriers=1),
             bars=plgpu.Barrier(
                 num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES
             ),
         ),
-    )(q_planes, qc, vmag, _as_words(kc), _as_words(vc), *metas, tab_ext)
-    if value_layout == "tokens":  # output rows in half-plane channel order: back to channels
-        acc = acc[..., np.argsort(dims.reshape(-1)), :]
+    )(q_planes, qsum, kc, vc, *metas, tab_ext)
     acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
     return acc, m[..., :group], l[..., :group]
 
@@ -455,7 +379,7 @@ MIN_GROUP_PAD = GROUP_PAD
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = ("tma",)
-INT_TO_FLOAT = ("exponent",)  # `_half_planes`
+INT_TO_FLOAT = ("exponent",)  # `_plane_to_f16`
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "tma"
 DEFAULT_INT_TO_FLOAT = "exponent"
