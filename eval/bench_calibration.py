@@ -144,6 +144,14 @@ def main(cfg: BenchCalibrationConfig) -> dict:
 
     rows = []
     fwd_s = {}
+    result = dict(
+        common.environment(),
+        model=lm.source,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        device=str(jax.local_devices()[0].device_kind),
+        rows=rows,
+    )
     for label, fn, init in phases():
         jax.block_until_ready(fn(first, init() if init else None))  # compile + warm up
         for n_tokens in budgets:
@@ -168,18 +176,18 @@ def main(cfg: BenchCalibrationConfig) -> dict:
                 )
             )
             print(rows[-1], flush=True)
-    result = dict(
-        common.environment(),
-        model=lm.source,
-        seq_len=cfg.seq_len,
-        batch_size=cfg.batch_size,
-        device=str(jax.local_devices()[0].device_kind),
-        rows=rows,
-    )
+            write_report(result, cfg.out)  # after every row: a run cut short keeps its rows
+    print(report_markdown(result))
+    return result
+
+
+def report_markdown(result: dict) -> str:
+    """The markdown record of a `main` result (its rows so far)."""
     lines = [
         f"`{result['command']}` at commit {result['commit']}, {result['date']}, "
         f"{result['device']} ({result['machine']}, {result['cpu_count']} CPUs), jax "
-        f"{result['jax_version']}; {result['model']}; batch {cfg.batch_size} x {cfg.seq_len}",
+        f"{result['jax_version']}; {result['model']}; batch {result['batch_size']} x "
+        f"{result['seq_len']}",
         "",
         "Tokens/s of each phase over the same streamed batches (statistics accumulated across "
         "batches); peak memory is the process's high-water mark after the row (device memory "
@@ -195,15 +203,19 @@ def main(cfg: BenchCalibrationConfig) -> dict:
             "-" if r["peak_device_mib"] is None else f"{r['peak_device_mib']:.0f}",
             f"{r['peak_rss_mib']:.0f}",
         ]
-        for r in rows
+        for r in result["rows"]
     ]
     header = ["phase", "tokens", "tokens/s", "vs forward", "peak device (MiB)", "peak RSS (MiB)"]
     lines.append(common.markdown_table(header, table))
-    stem = pathlib.Path(cfg.out)
+    if result.get("note"):
+        lines += ["", result["note"]]
+    return "\n".join(lines)
+
+
+def write_report(result: dict, out: str) -> None:
+    stem = pathlib.Path(out)
     stem = stem.with_suffix("") if stem.suffix in (".json", ".md") else stem
-    common.write_results(stem.parent, stem.name, result, "\n".join(lines))
-    print("\n".join(lines))
-    return result
+    common.write_results(stem.parent, stem.name, result, report_markdown(result))
 
 
 def parse_args(argv=None) -> BenchCalibrationConfig:
