@@ -58,6 +58,20 @@ def code_text(package: str = "asyncio") -> str:
     return "\n\n".join(p.read_text() for p in sorted(root.glob("*.py")))
 
 
+def prose_text(part: str = "evaluation") -> str:
+    """English prose of another kind than the plays: the Python language reference's topics
+    (the stdlib's `pydoc_data.topics`), in topic-name order; ``part`` "calibration" is the
+    first half of the topics, "evaluation" the second, so the two never share text
+    (`python -c "from eval.drift import prose_text; print(prose_text('calibration'))"`)."""
+    from pydoc_data import topics
+
+    names = sorted(topics.topics)
+    halves = {"calibration": names[: len(names) // 2], "evaluation": names[len(names) // 2 :]}
+    if part not in halves:
+        raise ValueError(f"part={part!r} must be 'calibration' or 'evaluation'")
+    return "\n\n".join(topics.topics[k] for k in halves[part])
+
+
 def main(c: DriftConfig, lm: LoadedModel | None = None) -> dict:
     cli.check(c.windows >= 1 and c.seq_len >= 16, "--windows >= 1 and --seq-len >= 16")
     ref = load_drift_reference(c.transforms)  # before the model: a file without one fails fast

@@ -704,3 +704,13 @@ def test_report_quick_run_writes_every_section(lm, calib_dir, tmp_path, monkeypa
         common.git_commit(),
     ):
         assert needle in text, needle
+
+
+def test_prose_text_halves_are_disjoint_english():
+    from eval import drift
+
+    cal, ev = drift.prose_text("calibration"), drift.prose_text("evaluation")
+    assert len(cal) > 100_000 and len(ev) > 100_000
+    assert ev[:5000] not in cal and cal[-5000:] not in ev  # different topics
+    with pytest.raises(ValueError, match="part='test'"):
+        drift.prose_text("test")
