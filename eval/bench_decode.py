@@ -318,8 +318,8 @@ def _make_lowbit_inputs(
     value codes in ``value_layout`` (`pallas_kernels.layout.VALUE_LAYOUTS`) at ``bits_v``
     bits (default: ``bits``), scale/zero stored as ``meta_dtype``."""
     d, hkv, page = cfg.head_dim, cfg.kv_heads, cfg.page_size
-    n = layout.codes_per_byte(bits)
-    n_v = layout.codes_per_byte(bits if bits_v is None else bits_v)
+    bv = bits if bits_v is None else bits_v
+    n, n_v = layout.codes_per_byte(bits), layout.codes_per_byte(bv)
     n_fp, n_q = _split_context(cfg, ctx)
     page_q = page if page_q is None else page_q
     pf, pq = _pages(n_fp, page), _pages(n_q, page_q) if n_q else 1
@@ -329,7 +329,6 @@ def _make_lowbit_inputs(
     v_shape = (q_pages, hkv, page_q, d // n_v)
     v_shape = v_shape if value_layout == "tokens" else (q_pages, hkv, d, page_q // n_v)
     meta = (q_pages, hkv, page_q, 1)
-    bv = bits if bits_v is None else bits_v
 
     def meta_pool(k, kind, width):
         lo, hi = (0.01, 0.1) if kind == "scale" else (0.0, 2.0**width - 1)
@@ -412,11 +411,11 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     ),
     # The Triton inner loop is rows + asm + deferred (the other strategies measured slower and
     # were deleted; their rows are in notes/benchmarks_history.md).
-    # Stages left out.
     # Bit allocation's mixed widths and the 8-bit scale/zero encoding (Triton body).
     "int2_meta_uint8": (2, {}, dict(meta_dtype="uint8")),
     "int2k_int4v": (2, dict(bits_v=4), {}),
     "int4k_int2v": (4, dict(bits_v=2), {}),
+    # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
     "int2_fp_segment_only": (2, {}, dict(lowbit_len=0)),
     # Launch shape.
