@@ -237,7 +237,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st) for st in gm.STAGES_KINDS] + [(64, "tokens", "full")]
+    runs = [(128, "dims", st, "tma") for st in gm.STAGES_KINDS] + [(64, "tokens", "full", "tma")]
+    # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
+    runs += [(128, "dims", st, "bulk") for st in ("full", "loads")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -251,9 +253,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl):
+            def call(c, qg, stage=stage, vl=vl, copy=copy):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -262,9 +264,12 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     group=group,
                     stage=stage,
                     value_layout=vl,
+                    code_copy=copy,
                 )
 
-            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
+            name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}" + (
+                "_bulk" if copy == "bulk" else ""
+            )
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -392,6 +397,11 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_vdims": (
         2,
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
+        dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_vdims_bulk": (
+        2,
+        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims", gather="bulk"),
         dict(lowbit_page_size=128),
     ),
     "int4_mosaic_vdims": (

@@ -56,6 +56,10 @@ from pallas_kernels.decode_attention import tiles as da
 TILE = 64  # tokens per step at least: the M of one warpgroup MMA
 MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA)
 STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a step does
+# How code tiles reach shared memory: "tma" is a tensor-map copy into a swizzled tile (a box
+# of 32-byte rows); "bulk" is one `cp.async.bulk` of the tile's contiguous bytes into an
+# unswizzled tile (a [page, d/n] code tile is contiguous in the pool).
+CODE_COPIES = ("tma", "bulk")
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
@@ -129,6 +133,7 @@ def _kernel(
     tile: int,
     stage: str,
     value_layout: str,
+    code_copy: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, W] or [STAGES, d, tile / n]; meta
     # f16[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
@@ -151,19 +156,25 @@ def _kernel(
     count = table(pages_per_split)
     n_steps = (count + tile - 1) // tile
 
+    # A copy that promises in-bounds slices of contiguous bytes into an unswizzled tile is a
+    # plain bulk copy (no tensor map); the default zero-fill needs the tensor-map copy.
+    copy = plgpu.copy_gmem_to_smem
+    if code_copy == "bulk":
+        copy = functools.partial(copy, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
     def issue(step, slot):
         pg = table(step // tiles_per_page)
         rows = pl.ds(lax.rem(step, tiles_per_page) * tile, tile)
         bar = bars.at[slot]
-        plgpu.copy_gmem_to_smem(kc_gmem.at[pg, h, rows], k_smem.at[slot], bar)
+        copy(kc_gmem.at[pg, h, rows], k_smem.at[slot], bar)
         if value_layout == "dims":  # one tile per page: the whole [d, page / n] block
-            plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h], v_smem.at[slot], bar)
+            copy(vc_gmem.at[pg, h], v_smem.at[slot], bar)
         else:
-            plgpu.copy_gmem_to_smem(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
+            copy(vc_gmem.at[pg, h, rows], v_smem.at[slot], bar)
         if stage == "loads_codes":  # attribution: the code tiles' copies alone
             return
         for r, src in enumerate((ks_gmem, kz_gmem, vs_gmem, vz_gmem)):
-            plgpu.copy_gmem_to_smem(src.at[pg, h, rows], meta_smem.at[r, slot], bar)
+            copy(src.at[pg, h, rows], meta_smem.at[r, slot], bar)
 
     for st in range(STAGES - 1):
         pl.when(st < n_steps)(functools.partial(issue, st, st))
@@ -273,6 +284,7 @@ def lowbit_partials(
     stage: str = "full",
     value_layout: str = "tokens",
     auto_barriers: bool = False,
+    code_copy: str = "tma",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
@@ -291,6 +303,8 @@ def lowbit_partials(
         raise ValueError(f"unsupported by the Mosaic GPU body: {d=} {bits=} {page=} {group=}")
     if stage not in STAGES_KINDS:
         raise ValueError(f"stage={stage!r} must be one of {STAGES_KINDS}")
+    if code_copy not in CODE_COPIES:
+        raise ValueError(f"code_copy={code_copy!r} must be one of {CODE_COPIES}")
     # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
@@ -308,13 +322,18 @@ def lowbit_partials(
         metas = [a.astype(jnp.float16) for a in metas]
 
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
+
+    def code_tiles(rows, cols):
+        tf = _swizzled(cols, 8) if code_copy == "tma" else ()
+        return plgpu.SMEM((STAGES, rows, cols), jnp.uint8, transforms=tf)
+
     if value_layout == "dims":
         if tile != page:
             raise ValueError(f"value_layout='dims' needs {MAX_TILE}-token pages, got {page=}")
-        v_smem = plgpu.SMEM((STAGES, d, tile // n), jnp.uint8, transforms=_swizzled(tile // n, 8))
+        v_smem = code_tiles(d, tile // n)
         v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
     else:
-        v_smem = plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8))
+        v_smem = code_tiles(tile, width)
         v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
     kernel = functools.partial(
         _kernel,
@@ -325,6 +344,7 @@ def lowbit_partials(
         tile=tile,
         stage=stage,
         value_layout=value_layout,
+        code_copy=code_copy,
     )
     # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
     # step). Safe here: a slot is refilled only in the step after its last reads, and every
@@ -336,7 +356,7 @@ def lowbit_partials(
     )
     ring = plgpu.RefUnion(
         (
-            plgpu.SMEM((STAGES, tile, width), jnp.uint8, transforms=_swizzled(width, 8)),
+            code_tiles(tile, width),
             v_smem,
             plgpu.SMEM((4, STAGES, tile), jnp.float16),
             plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
@@ -378,7 +398,7 @@ def lowbit_partials(
 MIN_GROUP_PAD = GROUP_PAD
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
-GATHER_MODES = ("tma",)
+GATHER_MODES = CODE_COPIES
 INT_TO_FLOAT = ("exponent",)  # `_plane_to_f16`
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "tma"
@@ -427,6 +447,7 @@ def paged_decode(
         scale_log2=cfg.scale_log2,
         group=group,
         value_layout=cfg.value_layout,
+        code_copy=cfg.gather,
     )
     cat = functools.partial(jnp.concatenate, axis=2)
     return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])

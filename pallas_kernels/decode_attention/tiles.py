@@ -58,7 +58,8 @@ class DecodeConfig:
         already transposed, ``[d/n, T]``), so no reshape or transpose sits between the load
         and the dot and Triton loads the packed bytes straight into the tensor-core operand
         layout. ``"pages"`` (TPU): one page per grid step through BlockSpecs. ``"tma"``
-        (Mosaic GPU): a TMA ring.
+        (Mosaic GPU): a ring of tensor-map copies into swizzled tiles; ``"bulk"`` (Mosaic
+        GPU): the same ring of plain bulk copies of each tile's contiguous bytes.
       int_to_float: how codes become float16 dot operands. ``"convert"``: an int->float
         convert. ``"exponent"``: OR the code into the mantissa of float16 1024.0
         (``0x6400 | c`` is ``1024 + c`` exactly) and subtract 1024, in 16-bit integer and

@@ -41,6 +41,7 @@ class Case:
     value_layout: str = "tokens"  # "dims": value codes packed along tokens (layout.py)
     bits_v: int | None = None  # value width when it differs from the keys' (bit allocation)
     meta_dtype: str = "float16"  # "uint8": the 8-bit scale/zero encoding (layout.py)
+    gather: str | None = None  # the backend's way of reading low-bit pages (None: its default)
 
 
 def _pages_for(n: int, page: int) -> int:
@@ -431,6 +432,26 @@ MOSAIC_CASES = (
     ]
     + [
         Case(
+            batch=2,
+            kv_heads=2,
+            group=g,
+            head_dim=d,
+            bits=bits,
+            page=16,
+            lowbit_page=128,
+            value_layout=vl,
+            num_splits=s,
+            pages_per_block=1,
+            fp_lens=(35, 16),
+            lowbit_lens=(3 * 128 + 48, 128 + 16),
+            gather="bulk",
+        )
+        for g in (4, 8)
+        for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
+        for vl, s in (("dims", 1), ("dims", 3), ("tokens", 3))
+    ]
+    + [
+        Case(
             batch=3,
             head_dim=128,
             lowbit_page=64,
@@ -467,7 +488,7 @@ class TestDecodeAttentionMosaic:
         kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5, value_layout=case.value_layout)
         ref = da.ref_decode_attention(**x, **kw)
         out = da.decode_attention_variant(
-            **x, **kw, num_splits=case.num_splits, backend="gpu_mosaic"
+            **x, **kw, num_splits=case.num_splits, backend="gpu_mosaic", gather=case.gather
         )
         assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
         live = [b for b in range(case.batch) if case.fp_lens[b] + case.lowbit_lens[b] > 0]
@@ -480,18 +501,24 @@ class TestDecodeAttentionMosaic:
 _DIMS_CASES = [c for c in MOSAIC_CASES if c.value_layout == "dims"]
 
 
-@pytest.mark.parametrize("case", [MOSAIC_CASES[1], MOSAIC_CASES[-1], _DIMS_CASES[3]], ids=str)
+_BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
+
+
+@pytest.mark.parametrize(
+    "case", [MOSAIC_CASES[1], MOSAIC_CASES[-1], _DIMS_CASES[3], _BULK_CASES[0]], ids=str
+)
 def test_mosaic_kernel_lowers_for_cuda(case: Case):
     """CPU CI cannot run Mosaic GPU kernels, but it can lower them for the cuda platform."""
     x = make_inputs(case)
 
     def f(x):
-        return da.decode_attention(
+        return da.decode_attention_variant(
             **x,
             bits=case.bits,
             sm_scale=0.1,
             backend="gpu_mosaic",
             value_layout=case.value_layout,
+            gather=case.gather,
         )
 
     lowered = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
