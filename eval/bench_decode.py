@@ -436,6 +436,9 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int4k_int2v_ppb2": (4, dict(bits_v=2, pages_per_block=2), {}),
     "int4k_int2v_warps8": (4, dict(bits_v=2, num_warps=8), {}),
     "int4_ppb2": (4, dict(pages_per_block=2), {}),
+    "int4k_int2v_ppb8": (4, dict(bits_v=2, pages_per_block=8), {}),
+    "int4_ppb8": (4, dict(pages_per_block=8), {}),
+    "int2_ppb8": (2, dict(pages_per_block=8), {}),
     # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
     "int2_fp_segment_only": (2, {}, dict(lowbit_len=0)),
