@@ -429,16 +429,6 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_meta_uint8": (2, {}, dict(meta_dtype="uint8")),
     "int2k_int4v": (2, dict(bits_v=4), {}),
     "int4k_int2v": (4, dict(bits_v=2), {}),
-    # Launch shape of the mixed-width loop (the uniform widths' defaults measured slow there).
-    "int2k_int4v_ppb2": (2, dict(bits_v=4, pages_per_block=2), {}),
-    "int2k_int4v_ppb8": (2, dict(bits_v=4, pages_per_block=8), {}),
-    "int2k_int4v_warps8": (2, dict(bits_v=4, num_warps=8), {}),
-    "int4k_int2v_ppb2": (4, dict(bits_v=2, pages_per_block=2), {}),
-    "int4k_int2v_warps8": (4, dict(bits_v=2, num_warps=8), {}),
-    "int4_ppb2": (4, dict(pages_per_block=2), {}),
-    "int4k_int2v_ppb8": (4, dict(bits_v=2, pages_per_block=8), {}),
-    "int4_ppb8": (4, dict(pages_per_block=8), {}),
-    "int2_ppb8": (2, dict(pages_per_block=8), {}),
     # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
     "int2_fp_segment_only": (2, {}, dict(lowbit_len=0)),
@@ -481,7 +471,9 @@ def lowbit_variant(cfg: BenchConfig, batch: int, ctx: int, name: str) -> tuple[i
     factor = opts.pop("splits_factor", None)
     kw.update(opts)
     if factor is not None:
-        ppb = kw["pages_per_block"] or da_api._backend_module(cfg.backend).DEFAULT_PAGES_PER_BLOCK
+        ppb = kw["pages_per_block"] or da_api.default_pages_per_block(
+            cfg.backend, bits, kw.get("bits_v")
+        )
         kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, ppb)))
     return bits, kw, override
 

@@ -69,6 +69,15 @@ def _auto_splits(
     return int(max(1, min(blocks, -(-target // (batch * hkv)))))
 
 
+def default_pages_per_block(backend: str, bits: int, bits_v: int | None = None) -> int:
+    """Low-bit pages per inner step when ``pages_per_block`` is None: the backend's
+    ``DEFAULT_PAGES_PER_BLOCK``, or its ``WIDE_PAGES_PER_BLOCK`` when keys or values are 4-bit
+    (fewer codes per byte: longer steps measured faster)."""
+    mod = _backend_module(backend)
+    wide = max(bits, bits if bits_v is None else bits_v) > 2
+    return mod.WIDE_PAGES_PER_BLOCK if wide else mod.DEFAULT_PAGES_PER_BLOCK
+
+
 def lowbit_auto_splits(batch: int, hkv: int, max_pages: int, pages_per_block: int) -> int:
     """Splits `decode_attention` picks when ``num_splits`` is None."""
     return _auto_splits(batch, hkv, max_pages, pages_per_block, _TARGET_PROGRAMS_LOWBIT)
@@ -195,7 +204,7 @@ def decode_attention(
       sm_scale: softmax scale applied to the logits.
       num_splits: sequence splits (flash decoding); ``None`` picks enough to fill the GPU.
       pages_per_block: pages gathered per inner step (GPU; the TPU body takes one page/step);
-        ``None`` uses the backend's ``DEFAULT_PAGES_PER_BLOCK``.
+        ``None``: `default_pages_per_block`.
       backend: ``"gpu"`` (Pallas Triton), ``"gpu_mosaic"`` (Pallas Mosaic GPU, Hopper; low-bit
         pages only, the rest by the Triton body) or ``"tpu"`` (Pallas Mosaic TPU).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
@@ -268,7 +277,7 @@ def decode_attention_variant(
         )
     mod = _backend_module(backend)
     if pages_per_block is None:
-        pages_per_block = mod.DEFAULT_PAGES_PER_BLOCK
+        pages_per_block = default_pages_per_block(backend, bits, bits_v)
     _check_kernel_shapes(dims, bits, pages_per_block, backend, value_layout)
     if bits_v != bits:
         _check_kernel_shapes(

@@ -435,6 +435,7 @@ DEFAULT_GATHER = "tma"
 DEFAULT_INT_TO_FLOAT = "exponent"
 DEFAULT_ROW_SUMS = "deferred"
 DEFAULT_PAGES_PER_BLOCK = 1  # split-table unit: a low-bit page is one or more whole tiles
+WIDE_PAGES_PER_BLOCK = 1  # (4-bit widths: the same)
 
 
 def paged_decode(

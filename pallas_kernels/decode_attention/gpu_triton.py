@@ -64,9 +64,11 @@ HAS_MERGE_KERNEL = True
 GATHER_MODES = ("rows",)
 INT_TO_FLOAT = ("asm",)
 DEFAULT_GATHER = "rows"
-# Pages per inner step of the low-bit kernel: 4 (64 tokens at page 16) measured faster than 8
-# on the H200 at 8 x 128k (0.79 vs 0.87-0.96 ms, runs 8-9) and no slower at 1 x 64k.
+# Pages per inner step of the low-bit kernel: 4 (64 tokens at page 16) at 2 bits (at 8 x 128k
+# on the H200: 0.68 vs 0.69 ms for 8, run 45); 8 when keys or values are 4-bit (0.76 vs 0.86
+# ms uniform 4-bit, 2-bit keys + 4-bit values 0.75 vs 0.90, runs 44-45).
 DEFAULT_PAGES_PER_BLOCK = 4
+WIDE_PAGES_PER_BLOCK = 8
 # Pages per step of the full-precision loop when the kernel also has a low-bit segment.
 MIXED_FP_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "asm"

@@ -31,6 +31,7 @@ INT_TO_FLOAT = ("convert", "exponent")
 DEFAULT_GATHER = "pages"
 # The Mosaic body reads one page per grid step; pages_per_block is a GPU knob.
 DEFAULT_PAGES_PER_BLOCK = 1
+WIDE_PAGES_PER_BLOCK = 1  # (4-bit widths: the same)
 DEFAULT_INT_TO_FLOAT = "convert"
 ROW_SUMS = ("per_step",)
 DEFAULT_ROW_SUMS = "per_step"
