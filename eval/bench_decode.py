@@ -237,13 +237,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st, "tma", None) for st in gm.STAGES_KINDS]
-    runs += [(64, "tokens", "full", "tma", None)]
+    runs = [(128, "dims", st, "tma") for st in gm.STAGES_KINDS] + [(64, "tokens", "full", "tma")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", st, "bulk", None) for st in ("full", "loads")]
-    # 64-token softmax sub-steps of the 128-token step (fewer live registers).
-    runs += [(128, "dims", st, cp, 64) for st, cp in (("full", "tma"), ("keys", "tma"))]
-    runs += [(128, "dims", "full", "bulk", 64)]
+    runs += [(128, "dims", st, "bulk") for st in ("full", "loads")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -257,9 +253,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, sub in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy, sub=sub):
+            def call(c, qg, stage=stage, vl=vl, copy=copy):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -269,11 +265,10 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     stage=stage,
                     value_layout=vl,
                     code_copy=copy,
-                    sub_tile=sub,
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
-            name += ("_bulk" if copy == "bulk" else "") + (f"_sub{sub}" if sub else "")
+            name += "_bulk" if copy == "bulk" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),

@@ -62,7 +62,6 @@ STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a s
 CODE_COPIES = ("tma", "bulk")
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
-SUB_TILE = None  # tokens per softmax sub-step of the decode path (None: the whole step)
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
 # valid-token count) is padded to 32 int32 entries, sum(q) to 32 floats.
 _COPY_WORDS = 32
@@ -132,7 +131,6 @@ def _kernel(
     page: int,
     pages_per_split: int,
     tile: int,
-    sub: int,
     stage: str,
     value_layout: str,
     code_copy: str,
@@ -184,78 +182,19 @@ def _kernel(
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # a value per query column
     qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
-    shape = (sub, GROUP_PAD)  # one sub-step's logits
+    shape = (tile, GROUP_PAD)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
-    # Code planes of a dims value tile per sub-step (plane c holds tokens [c kb, (c+1) kb)).
-    kb = tile // n
-    v_planes_per_sub = sub // kb if value_layout == "dims" else 0
 
-    def codes(tile_ref):
-        return plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
+    def planes(tile_ref):
+        w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
+        return [_plane_to_f16(w, i, bits) for i in range(n)]
 
-    def meta(r, slot, rows):
-        return plgpu.load(meta_smem.at[r, slot, rows], (), layout=row).astype(jnp.float32)
-
-    def sub_step(i, j, slot, carry, v_codes):
-        """Tokens [i tile + j sub, i tile + (j+1) sub) of the step's tile."""
-        acc, m_i, l_i, zc = carry
-        rows = pl.ds(j * sub, sub)
-
-        def keys(acc_ref):
-            w = codes(k_smem.at[slot, rows])
-            for p in range(n):
-                plane = _plane_to_f16(w, p, bits)
-                plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
-
-        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
-        ks, kz = meta(0, slot, rows), meta(1, slot, rows)
-        logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
-        tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        valid = tok + (i * tile + j * sub) < count
-        logits = jnp.where(valid, logits, da.NEG_INF)
-        m_new = jnp.maximum(m_i, logits.max(axis=0))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(logits - bcast_col(m_new))
-        vs, vz = meta(2, slot, rows), meta(3, slot, rows)
-        pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
-        pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
-        # [sub, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
-        # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
-        l_i = l_i * bcast_col(alpha) + p
-        zc = zc * bcast_col(alpha) + pvz
-        if stage == "keys":  # no value product
-            return acc, m_new, l_i, zc
-        if value_layout == "dims":
-            # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
-            # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
-            # but the probabilities.
-            first = j * v_planes_per_sub
-            v_planes = [
-                _plane_to_f16(v_codes, c, bits) for c in range(first, first + v_planes_per_sub)
-            ]
-        else:
-            w = codes(v_smem.at[slot])
-            for c in range(n):
-                v16_smem.at[:, pl.ds(c * width, width)][...] = _plane_to_f16(w, c, bits)
-        p_smem[...] = pv.astype(jnp.float16)
-        plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
-        acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
-
-        def values(acc_ref):
-            if value_layout == "dims":
-                for c, plane in enumerate(v_planes):
-                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
-            else:
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
-            plgpu.wgmma_wait(0)
-
-        acc = pl.run_state(values)(plgpu.ACC.init(acc))
-        return acc, m_new, l_i, zc
+    def meta(r, slot):
+        return plgpu.load(meta_smem.at[r, slot], (), layout=row).astype(jnp.float32)
 
     def step(i, carry):
+        acc, m_i, l_i, zc = carry
         slot = lax.rem(i, STAGES)
         nxt = i + STAGES - 1
 
@@ -266,11 +205,54 @@ def _kernel(
         plgpu.barrier_wait(bars.at[slot])
         if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
             return carry
-        # Dims value codes: the tile's bytes hold every sub-step's planes; read them once.
-        v_codes = codes(v_smem.at[slot]) if v_planes_per_sub and stage == "full" else None
-        for j in range(tile // sub):
-            carry = sub_step(i, j, slot, carry, v_codes)
-        return carry
+
+        def keys(acc_ref):
+            for p, plane in enumerate(planes(k_smem.at[slot])):
+                plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_ref[...]
+
+        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
+        ks, kz = meta(0, slot), meta(1, slot)
+        logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
+        tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
+        valid = tok < count
+        logits = jnp.where(valid, logits, da.NEG_INF)
+        m_new = jnp.maximum(m_i, logits.max(axis=0))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(logits - bcast_col(m_new))
+        vs, vz = meta(2, slot), meta(3, slot)
+        pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
+        pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
+        # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
+        # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
+        l_i = l_i * bcast_col(alpha) + p
+        zc = zc * bcast_col(alpha) + pvz
+        if stage == "keys":  # no value product
+            return acc, m_new, l_i, zc
+        if value_layout == "dims":
+            # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
+            # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
+            # but the probabilities.
+            v_planes = planes(v_smem.at[slot])
+        else:
+            for c, plane in enumerate(planes(v_smem.at[slot])):
+                v16_smem.at[:, pl.ds(c * width, width)][...] = plane
+        p_smem[...] = pv.astype(jnp.float16)
+        plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
+        acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
+
+        def values(acc_ref):
+            if value_layout == "dims":
+                kb = tile // n
+                for c, plane in enumerate(v_planes):
+                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
+            else:
+                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
+            plgpu.wgmma_wait(0)
+
+        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+        return acc, m_new, l_i, zc
 
     wgmma_layout = plgpu.Layout.WGMMA
     carry = (
@@ -303,7 +285,6 @@ def lowbit_partials(
     value_layout: str = "tokens",
     auto_barriers: bool = False,
     code_copy: str = "tma",
-    sub_tile: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
@@ -341,11 +322,6 @@ def lowbit_partials(
         metas = [a.astype(jnp.float16) for a in metas]
 
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
-    # Tokens per softmax sub-step: a 128-token step computed as two 64-token halves keeps
-    # half the logits and unpacked codes live (fewer registers: more CTAs per SM).
-    sub = tile if sub_tile is None else sub_tile
-    if sub not in (TILE, tile) or (sub != tile and value_layout != "dims"):
-        raise ValueError(f"sub_tile={sub_tile} must be {TILE} or {tile} (dims values for {TILE})")
 
     v_cols = tile // n if value_layout == "dims" else width
     if code_copy == "bulk" and (width, v_cols) != (32, 32):
@@ -371,7 +347,6 @@ def lowbit_partials(
         page=page,
         pages_per_split=pps,
         tile=tile,
-        sub=sub,
         stage=stage,
         value_layout=value_layout,
         code_copy=code_copy,
@@ -389,7 +364,7 @@ def lowbit_partials(
             code_tiles(tile, width),
             v_smem,
             plgpu.SMEM((4, STAGES, tile), jnp.float16),
-            plgpu.SMEM((sub, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+            plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
         ),
         plgpu.SMEM((d, GROUP_PAD), jnp.float32),
     )
@@ -479,7 +454,6 @@ def paged_decode(
         group=group,
         value_layout=cfg.value_layout,
         code_copy=cfg.gather,
-        sub_tile=SUB_TILE if cfg.value_layout == "dims" else None,
     )
     cat = functools.partial(jnp.concatenate, axis=2)
     return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])

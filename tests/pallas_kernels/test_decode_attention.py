@@ -505,28 +505,6 @@ class TestDecodeAttentionMosaic:
 _DIMS_CASES = [c for c in MOSAIC_CASES if c.value_layout == "dims"]
 
 
-@pytest.mark.parametrize("case", [c for c in _DIMS_CASES if c.kv_heads == 2], ids=str)
-def test_mosaic_sub_steps_match_reference(case: Case, monkeypatch):
-    """128-token steps computed as two 64-token softmax sub-steps (GPU hardware only)."""
-    if not _has_gpu():
-        pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
-    from pallas_kernels.decode_attention import gpu_mosaic
-
-    monkeypatch.setattr(gpu_mosaic, "SUB_TILE", 64)
-    jax.clear_caches()  # the jitted entry point reads SUB_TILE when it traces
-    try:
-        x = make_inputs(case, seed=2)
-        kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5, value_layout=case.value_layout)
-        ref = da.ref_decode_attention(**x, **kw)
-        out = da.decode_attention_variant(
-            **x, **kw, num_splits=case.num_splits, backend="gpu_mosaic", gather=case.gather
-        )
-        err = _rel_err(out, ref)
-        assert err < TOL[case.fp_dtype], f"{case=} rel err {err:.2e}"
-    finally:
-        jax.clear_caches()
-
-
 _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
 
 
