@@ -325,7 +325,8 @@ def lowbit_partials(
 
     v_cols = tile // n if value_layout == "dims" else width
     if code_copy == "bulk" and (width, v_cols) != (32, 32):
-        # Unswizzled rows wider than 32 bytes have no bank-conflict-free register load.
+        # jax 0.10.2 finds no bank-conflict-free register load of wider unswizzled rows
+        # (0.11.2 ran 64-byte rows correctly in run 42; 32-byte rows are what was timed).
         raise ValueError(f"code_copy='bulk' needs 32-byte code rows, got {width} and {v_cols}")
 
     def code_tiles(rows, cols):
