@@ -544,6 +544,25 @@ def test_reference_reads_dims_major_value_pages(bits: int):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_mosaic_bulk_copies_reject_wide_code_rows():
+    """Bulk copies land in unswizzled tiles, read as 32-byte rows only: a 64-byte row (4 bits
+    at d = 128) is refused while tracing, with the widths in the message."""
+    c = Case(head_dim=128, bits=4, page=16, lowbit_page=128, value_layout="dims",
+             lowbit_lens=(128, 0), pages_per_block=1)  # fmt: skip
+    x = make_inputs(c)
+    with pytest.raises(ValueError, match="32-byte code rows, got 64"):
+        jax.jit(
+            lambda x: da.decode_attention_variant(
+                **x,
+                bits=4,
+                sm_scale=0.1,
+                backend="gpu_mosaic",
+                value_layout="dims",
+                gather="bulk",
+            )  # fmt: skip
+        ).trace(x).lower(lowering_platforms=("cuda",))
+
+
 def test_mosaic_rejects_small_lowbit_pages():
     x = make_inputs(Case(head_dim=128, page=16, lowbit_lens=(64, 16)))
     with pytest.raises(ValueError, match="multiple of 64 for backend='gpu_mosaic'"):
