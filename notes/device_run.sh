@@ -2,7 +2,7 @@
 # One batched device call (see notes/device_runs.md): GPU correctness, benchmark, ncu, Engine.
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
-# steps: comma-separated from tests, mosaic, sweep, suite, bench, ncu (NCU_VARIANTS), ncumosaic
+# steps: comma-separated from tests, mosaic, sweep, mixed, suite, bench, ncu (NCU_VARIANTS), ncumosaic
 # (NCU_MOSAIC_STAGES at NCU_POINT), kernels,
 # paged, engine. suite = the README's test command (CI subset) on the GPU machine, 8 workers.
 # sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
@@ -45,6 +45,18 @@ if [[ $steps == *,sweep,* ]]; then
     tests/pallas_kernels/test_quantize_pack.py -k "(TestDecodeAttention and not Interpret) or hardware" \
     > "$out/sweep.log" 2>&1
   echo "sweep rc=$? (${par:-serial})" >> "$out/gpu.txt"
+fi
+if [[ $steps == *,mixed,* ]]; then
+  # The mixed-width and 8-bit-metadata GPU cases alone (run 44: 240 cases, ~4 min, 6 workers).
+  python3 -m pytest --collect-only -q -p no:cacheprovider -m "" \
+    tests/pallas_kernels/test_decode_attention.py tests/pallas_kernels/test_quantize_pack.py \
+    2>/dev/null | grep -v Interpret | grep -i "bits_v=[24]\|uint8\|meta\|mixed" > "$out/mixed_ids.txt"
+  par=""; python3 -c "import xdist" 2>/dev/null && par="-n 6"
+  # shellcheck disable=SC2086
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MIXED_TIMEOUT:-280} xargs -d '\n' \
+    -a "$out/mixed_ids.txt" python3 -m pytest -q -p no:cacheprovider -m "" $par -rf \
+    > "$out/mixed_tests.log" 2>&1
+  echo "mixed rc=$?" >> "$out/gpu.txt"
 fi
 if [[ $steps == *,suite,* ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${SUITE_TIMEOUT:-480} python3 -m pytest -q \
