@@ -241,3 +241,15 @@ def test_gpu_kernel_matches_reference_on_hardware(bits):
         np.testing.assert_allclose(
             np.asarray(o, np.float32), np.asarray(r, np.float32), rtol=2e-3, atol=1e-3
         )
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Triton kernel)")
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gpu_kernel_uint8_meta_on_hardware(bits):
+    """The compiled kernel with the 8-bit scale/zero encoding: stored bytes one step apart at
+    most, codes as `assert_quantized_close` allows (the encoding's contract on any backend)."""
+    x, a = _inputs(64, 8, 128, dist="t", dtype=jnp.bfloat16)
+    kw = dict(method="oscar", bits=bits, group_size=128, meta_dtype="uint8")
+    ref = ref_quantize_pack(x, a, 0.95, **kw)
+    out = quantize_pack(x, a, 0.95, backend="gpu", **kw)
+    assert_quantized_close(out, ref, bits=bits, d=128, group_size=128)
