@@ -27,7 +27,10 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   with the epilogue's output tile. Lane-level TMA copies move multiples of 128 bytes, so a
   tile's float16 metadata row (64 x 2 bytes) must be contiguous: low-bit pages hold a
   multiple of 64 tokens (`layout.PageLayout` with ``page_size=64``); a 16-token page's
-  32-byte rows cannot be copied this way.
+  32-byte rows cannot be copied this way. Code tiles come as tensor-map boxes into swizzled
+  tiles (``code_copy="tma"``) or as plain bulk copies of their contiguous bytes into
+  unswizzled tiles (``"bulk"``: the ring alone reads faster, the kernel measured level;
+  BENCHMARKS.md).
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
 denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
