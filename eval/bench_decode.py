@@ -237,9 +237,13 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st, "tma") for st in gm.STAGES_KINDS] + [(64, "tokens", "full", "tma")]
+    runs = [(128, "dims", st, "tma", "heads") for st in gm.STAGES_KINDS]
+    runs += [(64, "tokens", "full", "tma", "heads")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", st, "bulk") for st in ("full", "loads")]
+    runs += [(128, "dims", st, "bulk", "heads") for st in ("full", "loads")]
+    # Token blocks in the N columns (offsets folded), and the folded offsets alone.
+    runs += [(128, "dims", st, "tma", "token_blocks") for st in ("full", "keys", "loads")]
+    runs += [(128, "dims", "full", "tma", "heads_folded")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -253,9 +257,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy, cols in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy):
+            def call(c, qg, stage=stage, vl=vl, copy=copy, cols=cols):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -265,10 +269,13 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     stage=stage,
                     value_layout=vl,
                     code_copy=copy,
+                    int_to_float="exponent" if cols == "heads" else "exponent_folded",
+                    columns="token_blocks" if cols == "token_blocks" else "heads",
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             name += "_bulk" if copy == "bulk" else ""
+            name += "" if cols == "heads" else f"_{cols}"
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -379,6 +386,7 @@ def _dense_attention(q, k, v, sm_scale):
     return o.reshape(b, hq, d)
 
 
+_MOSAIC_DIMS = dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims")
 # name -> (bits, kernel options, input overrides): attribution rows of the low-bit kernel.
 LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_pallas": (2, {}, {}),
@@ -406,6 +414,38 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int4_mosaic_vdims": (
         4,
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
+        dict(lowbit_page_size=128),
+    ),
+    # The float16 offsets under the codes folded into the zero-point terms (no HSUB2).
+    "int2_mosaic_vdims_folded": (
+        2,
+        dict(_MOSAIC_DIMS, int_to_float="exponent_folded"),
+        dict(lowbit_page_size=128),
+    ),
+    # Token blocks in the N columns: the softmax on [64, 16] tiles without padding columns.
+    "int2_mosaic_vdims_blocks": (
+        2,
+        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks"),
+        dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_vdims_blocks_unfolded": (
+        2,
+        dict(_MOSAIC_DIMS, columns="token_blocks"),
+        dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_vdims_blocks_bulk": (
+        2,
+        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks", gather="bulk"),
+        dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_vdims_blocks_splits_x2": (
+        2,
+        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks", splits_factor=2),
+        dict(lowbit_page_size=128),
+    ),
+    "int4_mosaic_vdims_blocks": (
+        4,
+        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks"),
         dict(lowbit_page_size=128),
     ),
     "int2_mosaic_splits_x2": (

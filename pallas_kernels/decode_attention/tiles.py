@@ -73,6 +73,9 @@ class DecodeConfig:
       group: real query heads per KV head (``<= group_pad``); the GPU body writes only these
         rows of its split partials (a quarter of the bytes at GQA 4), ``None`` = all.
       value_layout: ``"tokens"`` or ``"dims"`` (`pallas_kernels.layout.VALUE_LAYOUTS`).
+      columns: what the N columns of the GPU body's tiles hold. ``"heads"``: the GQA group,
+        padded to ``group_pad``. ``"token_blocks"`` (Mosaic GPU): the group times several
+        64-token blocks of one step, so the softmax runs on no padding (`gpu_mosaic`).
       bits_v: value code width when it differs from the keys' (a layer of a bit allocation
         with its own K and V widths); ``None`` = ``bits``. The query is split into the key
         planes' chunks (`key_chunks`), the output into the value planes' (`n_chunks`).
@@ -94,6 +97,7 @@ class DecodeConfig:
     group: int | None = None
     value_layout: str = "tokens"
     bits_v: int | None = None
+    columns: str = "heads"
 
     @property
     def value_bits(self) -> int | None:

@@ -42,6 +42,8 @@ class Case:
     bits_v: int | None = None  # value width when it differs from the keys' (bit allocation)
     meta_dtype: str = "float16"  # "uint8": the 8-bit scale/zero encoding (layout.py)
     gather: str | None = None  # the backend's way of reading low-bit pages (None: its default)
+    int_to_float: str | None = None  # codes to float16 operands (None: the backend's default)
+    columns: str | None = None  # what the GPU body's N columns hold (None: the default)
 
 
 def _pages_for(n: int, page: int) -> int:
@@ -456,6 +458,62 @@ MOSAIC_CASES = (
     ]  # 32-byte code rows: what the unswizzled bulk tiles support
     + [
         Case(
+            batch=2,
+            kv_heads=hkv,
+            group=g,
+            head_dim=d,
+            bits=bits,
+            page=16,
+            lowbit_page=128,
+            value_layout="dims",
+            num_splits=s,
+            pages_per_block=1,
+            fp_lens=(35, 16),
+            lowbit_lens=(3 * 128 + 48, 128 + 16),  # odd page counts: a half-used last step
+            int_to_float=itf,
+            columns="token_blocks",
+        )
+        for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
+        for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
+        for s, itf in ((1, "exponent_folded"), (3, "exponent_folded"), (3, "exponent"))
+    ]  # token blocks in the N columns
+    + [
+        Case(
+            batch=3,
+            head_dim=128,
+            lowbit_page=128,
+            value_layout="dims",
+            group=g,
+            fp_lens=(0, 5, 0),
+            lowbit_lens=(128, 0, 0),
+            pages_per_block=1,
+            num_splits=4,
+            int_to_float="exponent_folded",
+            columns="token_blocks",
+        )
+        for g in (4, 8)
+    ]  # blocks and splits with no token; a sequence with no key at all
+    + [
+        Case(
+            batch=2,
+            kv_heads=2,
+            group=4,
+            head_dim=d,
+            bits=bits,
+            page=16,
+            lowbit_page=lp,
+            value_layout=vl,
+            num_splits=3,
+            pages_per_block=1,
+            fp_lens=(35, 16),
+            lowbit_lens=(3 * 128 + 48, 128 + 16),
+            int_to_float="exponent_folded",
+        )
+        for d, bits in ((128, 2), (64, 4))
+        for vl, lp in (("dims", 128), ("tokens", 64), ("tokens", 128))
+    ]  # the float16 offsets folded into the zero-point terms, one head per column
+    + [
+        Case(
             batch=3,
             head_dim=128,
             lowbit_page=64,
@@ -492,7 +550,13 @@ class TestDecodeAttentionMosaic:
         kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5, value_layout=case.value_layout)
         ref = da.ref_decode_attention(**x, **kw)
         out = da.decode_attention_variant(
-            **x, **kw, num_splits=case.num_splits, backend="gpu_mosaic", gather=case.gather
+            **x,
+            **kw,
+            num_splits=case.num_splits,
+            backend="gpu_mosaic",
+            gather=case.gather,
+            int_to_float=case.int_to_float,
+            columns=case.columns,
         )
         assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
         live = [b for b in range(case.batch) if case.fp_lens[b] + case.lowbit_lens[b] > 0]
@@ -508,8 +572,24 @@ _DIMS_CASES = [c for c in MOSAIC_CASES if c.value_layout == "dims"]
 _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
 
 
+_BLOCK_CASES = [c for c in MOSAIC_CASES if c.columns == "token_blocks"]
+
+
+_FOLDED_HEADS = [c for c in MOSAIC_CASES if c.int_to_float and c.columns is None]
+
+
 @pytest.mark.parametrize(
-    "case", [MOSAIC_CASES[1], MOSAIC_CASES[-1], _DIMS_CASES[3], _BULK_CASES[0]], ids=str
+    "case",
+    [
+        MOSAIC_CASES[1],
+        MOSAIC_CASES[-1],
+        _DIMS_CASES[3],
+        _BULK_CASES[0],
+        _BLOCK_CASES[4],
+        _BLOCK_CASES[-1],
+        _FOLDED_HEADS[1],
+    ],
+    ids=str,
 )
 def test_mosaic_kernel_lowers_for_cuda(case: Case):
     """CPU CI cannot run Mosaic GPU kernels, but it can lower them for the cuda platform."""
@@ -523,6 +603,8 @@ def test_mosaic_kernel_lowers_for_cuda(case: Case):
             backend="gpu_mosaic",
             value_layout=case.value_layout,
             gather=case.gather,
+            int_to_float=case.int_to_float,
+            columns=case.columns,
         )
 
     lowered = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
