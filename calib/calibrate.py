@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from calib import allocation, errors
+from calib import allocation, errors, sensitivity
 from calib import clip as clip_lib
 from calib.data import check_text, split_holdout, token_windows
 from calib.statistics import finalize_stats, init_stats, required_stats, update_stats
@@ -110,6 +110,22 @@ class CalibrateConfig:
     alloc_meta: tuple[str, ...] = cli.option(
         allocation.DEFAULT_META, "scale/zero encodings it chooses from (float16, uint8, ...)"
     )
+    allocation_objective: str = cli.option(
+        "attention",
+        "what the allocation minimises, summed over (layer, K/V): attention = the layer's "
+        "relative attention-output error; kl = the model's next-token KL to full precision "
+        "with only that cache quantized, measured at every format (one forward per cache and "
+        "format); kl_scaled = that KL measured at the cheapest format, other formats scaled "
+        "by their attention error (one forward per cache)",
+    )
+    alloc_kl_windows: tuple[int, int, int] = cli.option(
+        (16, 128, 16),
+        "sink/keep/flush of the cache the kl objectives simulate (full-precision windows)",
+        metavar=("SINK", "KEEP", "FLUSH"),
+    )
+    alloc_kl_tokens: int = cli.option(
+        HOLDOUT_TOKENS, "positions of each held-out window the kl objectives score"
+    )
 
 
 MIN_SEQ_LEN = 64
@@ -144,6 +160,11 @@ def validate(cfg: CalibrateConfig) -> None:
         cfg.batch_size % cfg.data_parallel == 0,
         f"--batch-size {cfg.batch_size} must be a multiple of --data-parallel {cfg.data_parallel}",
     )
+    cli.check(
+        cfg.allocation_objective in sensitivity.OBJECTIVES,
+        f"--allocation-objective {cfg.allocation_objective!r}: one of "
+        f"{', '.join(sensitivity.OBJECTIVES)}",
+    )
     if cfg.bpe_budget is not None:
         b = cfg.bpe_budget
         cli.check(
@@ -164,6 +185,19 @@ def validate(cfg: CalibrateConfig) -> None:
         cli.check(
             cfg.clips == "calibrated", "--bpe-budget needs --clips calibrated (clips per width)"
         )
+        if cfg.allocation_objective != "attention":
+            sink, keep, flush = cfg.alloc_kl_windows
+            cli.check(
+                sink >= 0 and keep >= 1 and flush >= 1,
+                f"--alloc-kl-windows {cfg.alloc_kl_windows}: need sink >= 0, keep and flush >= 1",
+            )
+            t = min(cfg.alloc_kl_tokens, cfg.seq_len)
+            cli.check(
+                t - 1 - sink - keep >= flush,
+                f"--alloc-kl-tokens {cfg.alloc_kl_tokens} (at --seq-len {cfg.seq_len}): too "
+                f"short for --alloc-kl-windows {sink} {keep} {flush}, no position would read a "
+                f"low-bit token",
+            )
     cli.check_paths_exist(data=cfg.data, model=cfg.model)
     cli.check(not pathlib.Path(cfg.out).is_file(), f"--out {cfg.out!r} is a file, not a directory")
 
@@ -434,6 +468,38 @@ def bit_errors(acts, pairs, clips_by_bits, w_o, cfg: CalibrateConfig, sm_scale) 
     }
 
 
+def objective_errors(
+    cfg: CalibrateConfig, lm: LoadedModel, held: np.ndarray, pairs, clips_by_bits, attention: dict
+) -> tuple[dict, dict]:
+    """The errors `cfg.allocation_objective` allocates from (format name -> f64[L, 2]) and a
+    record of how they were measured, from `attention` (`bit_errors`) and, for the kl
+    objectives, forwards of the model on the held-out calibration windows `held`."""
+    obj = cfg.allocation_objective
+    if obj == "attention":
+        return attention, dict(objective=obj)
+    formats = allocation.candidate_formats(cfg.alloc_widths, cfg.alloc_meta)
+    ref = sensitivity.cheapest(formats, lm.cfg.head_dim, cfg.group_size)
+    measure = formats if obj == "kl" else [ref]
+    windows = held[:, : cfg.alloc_kl_tokens]
+    t0 = time.perf_counter()
+    kl = sensitivity.kl_bit_errors(
+        lm, windows, pairs, clips_by_bits, measure, cfg.alloc_kl_windows, cfg.group_size,
+        cfg.progress,
+    )  # fmt: skip
+    info = dict(
+        objective=obj,
+        windows=int(windows.shape[0]),
+        tokens_per_window=int(windows.shape[1]),
+        cache_windows=list(cfg.alloc_kl_windows),
+        measured_formats=[f.name for f in measure],
+        seconds=time.perf_counter() - t0,
+    )
+    if obj == "kl":
+        return kl, info
+    info["reference_format"] = ref.name
+    return sensitivity.scaled_errors(kl[ref.name], attention, ref.name), info
+
+
 def allocate_bits(cfg: CalibrateConfig, errs: dict, head_dim: int) -> BitAllocation:
     sink, keep, flush = cfg.bpe_windows
     return allocation.allocate(
@@ -580,17 +646,24 @@ def main(cfg: CalibrateConfig) -> dict:
         alloc = None
         if method in methods and cfg.bpe_budget is not None:
             _phase(f"bit allocation: {method} at {cfg.bpe_budget} bits per element")
-            errs = bit_errors(acts, pairs, clips_by_bits, w_o, cfg, sm)
+            attn = bit_errors(acts, pairs, clips_by_bits, w_o, cfg, sm)
+            errs, how = objective_errors(cfg, lm, held, pairs, clips_by_bits, attn)
             alloc = allocate_bits(cfg, errs, d)
             summary["methods"][method]["allocation"] = alloc.to_dict()
+            summary["methods"][method]["allocation_objective"] = how
             summary["methods"][method]["bit_errors"] = {n: e.tolist() for n, e in errs.items()}
+            if errs is not attn:
+                summary["methods"][method]["bit_errors_attention"] = {
+                    n: e.tolist() for n, e in attn.items()
+                }
             total = sum(
                 errs[f.name][i][j] for i, p in enumerate(alloc.layers) for j, f in enumerate(p)
             )
             where = f"{cfg.bpe_context} tokens" if cfg.bpe_context else "low-bit pages"
             print(
                 f"{method}: allocation at {cfg.bpe_budget} BPE ({where}): {alloc.counts()}, "
-                f"{alloc.bpe(d, cfg.group_size):.4f} BPE, summed error {total:.4f}",
+                f"{alloc.bpe(d, cfg.group_size):.4f} BPE, summed {cfg.allocation_objective} "
+                f"error {total:.4g}",
                 file=sys.stderr,
             )
         if method in methods:
@@ -616,7 +689,9 @@ def main(cfg: CalibrateConfig) -> dict:
             )
             if alloc is not None:
                 meta["allocation"] = alloc.to_dict()
-                meta["bit_errors"] = summary["methods"][method]["bit_errors"]
+                for k in ("bit_errors", "bit_errors_attention", "allocation_objective"):
+                    if k in summary["methods"][method]:
+                        meta[k] = summary["methods"][method][k]
             ref = drift.reference_from_grams(
                 [f["KK"] for f in final], [f["VV"] for f in final], tf.a_k, tf.a_v
             )
