@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from calib import allocation
+from calib import allocation, sensitivity
 from eval import common
 from eval.perplexity import paired_change_se, perplexity
 from kvjax import cli
@@ -212,6 +212,8 @@ def main(cfg: BitAllocationConfig) -> dict:
             tokens=meta.get("tokens"),
             seq_len=meta.get("seq_len"),
             stored_allocation=stored.to_dict(),
+            # what bit_errors measure (kvjax.calibrate --allocation-objective)
+            allocation_objective=meta.get("allocation_objective", dict(objective="attention")),
         ),
         num_windows=int(len(windows)),
         seq_len=int(windows.shape[1]),
@@ -277,7 +279,7 @@ def to_markdown(payload: dict, cfg: BitAllocationConfig) -> str:
                 f"{r['bpe_protocol']:.3f}",
                 f"{r['bpe_serving_32k']:.3f}",
                 ", ".join(f"{k} x{v}" for k, v in r["formats"].items()),
-                f"{r['summed_calibration_error']:.3f}",
+                f"{r['summed_calibration_error']:.4g}",
             ]
         )
     lines.append(
@@ -307,11 +309,20 @@ def to_markdown(payload: dict, cfg: BitAllocationConfig) -> str:
                 ["cache", "change / uniform 2b/float16 change", "difference (points)"], ct
             )
         )
+    how = cal.get("allocation_objective", dict(objective="attention"))
+    obj = how.get("objective", "attention")
+    detail = ""
+    if obj != "attention":
+        detail = (
+            f" ({how['windows']} x {how['tokens_per_window']} tokens, cache windows "
+            f"{'/'.join(map(str, how['cache_windows']))}, measured at "
+            f"{', '.join(how['measured_formats'])})"
+        )
     lines.append(
         "\nAllocations: formats per layer (keys / values) in `bit_allocation.json` "
         "(`rows[].allocation.layers`). The summed calibration error is the allocation's "
-        "objective: relative attention-output error per (layer, K/V) with only that cache "
-        "quantized, on the held-out calibration windows.\n"
+        f"objective (`--allocation-objective {obj}`): "
+        f"{sensitivity.OBJECTIVE_TEXT.get(obj, obj)}{detail}.\n"
     )
     return "\n".join(lines)
 
