@@ -241,9 +241,8 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     runs += [(64, "tokens", "full", "tma", "heads")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
     runs += [(128, "dims", st, "bulk", "heads") for st in ("full", "loads")]
-    # Token blocks in the N columns (offsets folded), and the folded offsets alone.
+    # Token blocks in the N columns.
     runs += [(128, "dims", st, "tma", "token_blocks") for st in ("full", "keys", "loads")]
-    runs += [(128, "dims", "full", "tma", "heads_folded")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -269,13 +268,12 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     stage=stage,
                     value_layout=vl,
                     code_copy=copy,
-                    int_to_float="exponent" if cols == "heads" else "exponent_folded",
-                    columns="token_blocks" if cols == "token_blocks" else "heads",
+                    columns=cols,
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             name += "_bulk" if copy == "bulk" else ""
-            name += "" if cols == "heads" else f"_{cols}"
+            name += "_token_blocks" if cols == "token_blocks" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -416,36 +414,25 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
         dict(lowbit_page_size=128),
     ),
-    # The float16 offsets under the codes folded into the zero-point terms (no HSUB2).
-    "int2_mosaic_vdims_folded": (
-        2,
-        dict(_MOSAIC_DIMS, int_to_float="exponent_folded"),
-        dict(lowbit_page_size=128),
-    ),
     # Token blocks in the N columns: the softmax on [64, 16] tiles without padding columns.
     "int2_mosaic_vdims_blocks": (
-        2,
-        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks"),
-        dict(lowbit_page_size=128),
-    ),
-    "int2_mosaic_vdims_blocks_unfolded": (
         2,
         dict(_MOSAIC_DIMS, columns="token_blocks"),
         dict(lowbit_page_size=128),
     ),
     "int2_mosaic_vdims_blocks_bulk": (
         2,
-        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks", gather="bulk"),
+        dict(_MOSAIC_DIMS, columns="token_blocks", gather="bulk"),
         dict(lowbit_page_size=128),
     ),
     "int2_mosaic_vdims_blocks_splits_x2": (
         2,
-        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks", splits_factor=2),
+        dict(_MOSAIC_DIMS, columns="token_blocks", splits_factor=2),
         dict(lowbit_page_size=128),
     ),
     "int4_mosaic_vdims_blocks": (
         4,
-        dict(_MOSAIC_DIMS, int_to_float="exponent_folded", columns="token_blocks"),
+        dict(_MOSAIC_DIMS, columns="token_blocks"),
         dict(lowbit_page_size=128),
     ),
     "int2_mosaic_splits_x2": (

@@ -87,7 +87,7 @@ if [[ $steps == *,ncumosaic,* ]]; then
       --section LaunchStats --section Occupancy --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section InstructionStats \
-      python3 notes/decode_kernel_once.py mosaic_split:$st ${NCU_POINT:-8x131072} \
+      python3 notes/decode_kernel_once.py ${NCU_MOSAIC_KIND:-mosaic_split}:$st ${NCU_POINT:-8x131072} \
       > "$out/ncu_mosaic_$st.txt" 2>&1
     echo "ncu mosaic $st rc=$?" >> "$out/gpu.txt"
   done

@@ -90,26 +90,22 @@ def _swizzled(rows_bytes: int, bits: int = 16):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _magic(i: int, bits: int) -> float:
-    """The float16 offset `_plane_to_f16` puts under the codes of plane ``i``."""
-    return 2.0 ** (10 - bits * i)
-
-
-def _plane_to_f16(w: jax.Array, i: int, bits: int, folded: bool = False) -> jax.Array:
+def _plane_to_f16(w: jax.Array, i: int, bits: int) -> jax.Array:
     """Codes of plane ``i`` of zero-extended code bytes ``w`` (int16) as exact float16.
 
     No integer-to-float conversion (a quarter-rate instruction, 8192 per 64-token tile, the
     largest cost of the first Mosaic body): the plane's bits are masked in place and OR-ed
     under a float16 exponent that makes the mantissa count in units of one code, i.e.
-    ``bits(2^(10 - bits*i) + c)``; subtracting ``2^(10 - bits*i)`` (`_magic`) leaves ``c``
-    exactly. Two codes per 32-bit register: one LOP3 and one HSUB2 per pair. ``folded``
-    skips the subtraction: the caller has moved the offset into its zero-point terms.
+    ``bits(2^(10 - bits*i) + c)``; subtracting ``2^(10 - bits*i)`` leaves ``c`` exactly.
+    Two codes per 32-bit register: one LOP3 and one HSUB2 per pair. (Leaving the offset on
+    the codes and subtracting it through the zero-point terms saves the HSUB2 but measured
+    wrong on the H200: the tensor cores' accumulation loses the codes under the offset,
+    BENCHMARKS.md.)
     """
     shift = bits * i
     exponent = 25 - shift  # float16 2^(10 - shift): 15 bias + (10 - shift)
     code_bits = (w & jnp.int16(((1 << bits) - 1) << shift)) | jnp.int16(exponent << 10)
-    x = lax.bitcast_convert_type(code_bits, jnp.float16)
-    return x if folded else x - jnp.float16(_magic(i, bits))
+    return lax.bitcast_convert_type(code_bits, jnp.float16) - jnp.float16(2.0 ** (10 - shift))
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
@@ -145,7 +141,6 @@ def _kernel(
     stage: str,
     value_layout: str,
     code_copy: str,
-    folded: bool,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, W] or [STAGES, d, tile / n]; meta
     # f16[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
@@ -194,21 +189,13 @@ def _kernel(
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # a value per query column
     qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
-    # The float16 offsets under the key codes, summed against the query (folded mode).
-    qcorr = plgpu.load(qsum_smem.at[pl.ds(GROUP_PAD, GROUP_PAD)], (), layout=col)
     shape = (tile, GROUP_PAD)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
 
-    def planes(tile_ref, fold):
+    def planes(tile_ref):
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
-        return [_plane_to_f16(w, i, bits, fold) for i in range(n)]
-
-    fold_values = folded and value_layout == "dims"
-    if fold_values:  # value offsets by token: plane i of a dims tile holds tokens i*tile/n...
-        t = plgpu.broadcasted_iota(jnp.int32, (tile,), 0, layout=row)
-        plane_of = lax.div(t, jnp.int32(tile // n))
-        v_offset = lax.shift_left(jnp.int32(1), 10 - bits * plane_of).astype(jnp.float32)
+        return [_plane_to_f16(w, i, bits) for i in range(n)]
 
     def meta(r, slot):
         return plgpu.load(meta_smem.at[r, slot], (), layout=row).astype(jnp.float32)
@@ -227,17 +214,14 @@ def _kernel(
             return carry
 
         def keys(acc_ref):
-            for p, plane in enumerate(planes(k_smem.at[slot], folded)):
+            for p, plane in enumerate(planes(k_smem.at[slot])):
                 plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
             plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = meta(0, slot), meta(1, slot)
-        shift = bcast_row(kz) * bcast_col(qsum)
-        if folded:
-            shift = shift + bcast_col(qcorr)
-        logits = bcast_row(ks) * (raw - shift)
+        logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
         tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
         valid = tok < count
         logits = jnp.where(valid, logits, da.NEG_INF)
@@ -246,7 +230,7 @@ def _kernel(
         p = jnp.exp2(logits - bcast_col(m_new))
         vs, vz = meta(2, slot), meta(3, slot)
         pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
-        pvz = jnp.where(valid, pv * bcast_row(vz + v_offset if fold_values else vz), 0.0)
+        pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
         # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
         # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
         l_i = l_i * bcast_col(alpha) + p
@@ -257,9 +241,9 @@ def _kernel(
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
             # but the probabilities.
-            v_planes = planes(v_smem.at[slot], fold_values)
+            v_planes = planes(v_smem.at[slot])
         else:
-            for c, plane in enumerate(planes(v_smem.at[slot], False)):
+            for c, plane in enumerate(planes(v_smem.at[slot])):
                 v16_smem.at[:, pl.ds(c * width, width)][...] = plane
         p_smem[...] = pv.astype(jnp.float16)
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
@@ -336,7 +320,7 @@ def blocks_for_group(group: int) -> int:
 
 def _kernel_blocks(
     q_gmem,  # f16[B, Hkv, blocks * n, N, W] block-diagonal query planes, times scale_log2
-    qsum_gmem,  # f32[B, Hkv, 32]: sum(q) per column, then the folded offsets' sum
+    qsum_gmem,  # f32[B, Hkv, 32] sum over channels of the float16 query, per column
     kc_gmem,  # u8[P, Hkv, page, W]
     vc_gmem,  # u8[P, Hkv, d, page / n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
@@ -362,7 +346,6 @@ def _kernel_blocks(
     blocks: int,
     stage: str,
     code_copy: str,
-    folded: bool,
 ):
     # k [STAGES, pp, page, W]; v [STAGES, pp, d, page / n]; meta f16[4, STAGES, pp, page];
     # p f16[step, N] (block-diagonal).
@@ -411,8 +394,20 @@ def _kernel_blocks(
     row = wg.reduce(1)
     col = wg.reduce(0)
     shape = (TILE, GROUP_PAD)
+    if stage in ("loads", "loads_codes"):  # attribution: the ring alone (nothing else traced)
+
+        @pl.loop(0, n_steps)
+        def _ring(i):
+            nxt = i + STAGES - 1
+
+            @pl.when(nxt < n_steps)
+            def _next():
+                issue(nxt, lax.rem(nxt, STAGES))
+
+            plgpu.barrier_wait(bars.at[lax.rem(i, STAGES)])
+
+        return
     qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
-    qcorr = plgpu.load(qsum_smem.at[pl.ds(GROUP_PAD, GROUP_PAD)], (), layout=col)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
     cidx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wg)
@@ -440,17 +435,9 @@ def _kernel_blocks(
             out.append(plgpu.load(ref, (), layout=row).astype(jnp.float32))
         return out
 
-    v_offsets = [jnp.float32(0.0)] * blocks
-    if folded:  # value plane of each row: its token within the page, over kb
-        t = plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=row)
-        for b in range(blocks):
-            plane_of = lax.div(t + block_rows(b)[1], jnp.int32(kb))
-            off = lax.shift_left(jnp.int32(1), 10 - bits * plane_of)
-            v_offsets[b] = off.astype(jnp.float32)
-
-    def planes(ref, fold):
+    def planes(ref):
         w = plgpu.load(ref, (), layout=wg).astype(jnp.int16)
-        return [_plane_to_f16(w, i, bits, fold) for i in range(n)]
+        return [_plane_to_f16(w, i, bits) for i in range(n)]
 
     def step(i, carry):
         acc, m_i, l_i, zc = carry
@@ -462,31 +449,30 @@ def _kernel_blocks(
             issue(nxt, lax.rem(nxt, STAGES))
 
         plgpu.barrier_wait(bars.at[slot])
-        if stage in ("loads", "loads_codes"):
-            return carry
 
+        # One MMA group per plane; waiting for the previous block's (page's) groups before
+        # unpacking the next keeps one block's float16 planes live, not all (run 46 spilled).
         def keys(acc_ref):
             for b in range(blocks):
                 j, r0 = block_rows(b)
                 tile_ref = k_smem.at[slot, j, pl.ds(r0, TILE)]
-                for p, plane in enumerate(planes(tile_ref, folded)):
+                for p, plane in enumerate(planes(tile_ref)):
                     plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[b * n + p], (1, 0)))
+                if b + 1 < blocks:
+                    plgpu.wgmma_wait(n)
             plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = per_block(meta(0, slot)), per_block(meta(1, slot))
-        shift = kz * bcast_col(qsum)
-        if folded:
-            shift = shift + bcast_col(qcorr)
-        logits = ks * (raw - shift)
+        logits = ks * (raw - kz * bcast_col(qsum))
         valid = tok0 < count - i * span
         logits = jnp.where(valid, logits, da.NEG_INF)
         m_new = jnp.maximum(m_i, logits.max(axis=0))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits - bcast_col(m_new))
         vs = per_block(meta(2, slot))
-        vz = per_block([z + o for z, o in zip(meta(3, slot), v_offsets)])
+        vz = per_block(meta(3, slot))
         pv = jnp.where(valid, p * vs, 0.0)
         pvz = jnp.where(valid, pv * vz, 0.0)
         l_i = l_i * bcast_col(alpha) + p
@@ -501,8 +487,10 @@ def _kernel_blocks(
 
         def values(acc_ref):
             for j in range(pp):
-                for c, plane in enumerate(planes(v_smem.at[slot, j], folded)):
+                for c, plane in enumerate(planes(v_smem.at[slot, j])):
                     plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(j * page + c * kb, kb)])
+                if j + 1 < pp:
+                    plgpu.wgmma_wait(n)
             plgpu.wgmma_wait(0)
 
         acc = pl.run_state(values)(plgpu.ACC.init(acc))
@@ -572,7 +560,6 @@ def lowbit_partials(
             f"columns='token_blocks' needs value_layout='dims' and a GQA group <= 8, got "
             f"{value_layout=} {group=}"
         )
-    folded = int_to_float == "exponent_folded"
     blocks = blocks_for_group(group) if token_blocks else 1
     # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
     # Column c holds head `_column_head(c)` (heads-mode: c itself); padding heads are zero.
@@ -581,12 +568,8 @@ def lowbit_partials(
     cols = np.arange(GROUP_PAD)
     heads = _column_head(cols, blocks) if token_blocks else cols
     qs = qs[:, :, heads]
-    qs32 = qs.astype(jnp.float32).reshape(b, hkv, GROUP_PAD, n, width)
-    qsum = jnp.sum(qs32, axis=(-2, -1))  # [B, Hkv, N]
-    # The float16 offsets `_plane_to_f16` leaves under the key codes when folded.
-    magic = jnp.asarray([_magic(i, bits) for i in range(n)], jnp.float32)
-    qcorr = jnp.einsum("bhcnw,n->bhc", qs32, magic) if folded else jnp.zeros_like(qsum)
-    qsum = jnp.concatenate([qsum, qcorr], axis=-1)  # the 32-word row the kernel copies
+    qsum = jnp.sum(qs.astype(jnp.float32), axis=-1)  # [B, Hkv, N]
+    qsum = jnp.pad(qsum, ((0, 0), (0, 0), (0, _COPY_WORDS - GROUP_PAD)))
     q_planes = qs.reshape(b, hkv, GROUP_PAD, n, width).transpose(0, 1, 3, 2, 4)
     if token_blocks:  # block-diagonal: block j's planes keep only block j's columns
         in_block = _column_block(cols, blocks)[None, :] == np.arange(blocks)[:, None]
@@ -651,7 +634,6 @@ def lowbit_partials(
             blocks=blocks,
             stage=stage,
             code_copy=code_copy,
-            folded=folded,
         )
         meta_tile = plgpu.SMEM((4, STAGES, pp, page), jnp.float16)
         ring = (code_tiles(page, width), code_tiles(d, page // n), meta_tile, p_tile)
@@ -670,7 +652,6 @@ def lowbit_partials(
             stage=stage,
             value_layout=value_layout,
             code_copy=code_copy,
-            folded=folded,
         )
         if value_layout == "dims":
             v_smem = code_tiles(d, tile // n)
@@ -721,9 +702,7 @@ MIN_GROUP_PAD = GROUP_PAD
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
-# `_plane_to_f16`; "exponent_folded" leaves the float16 offsets on the codes and subtracts
-# them through the zero-point terms (keys always; values with dimension-major pages).
-INT_TO_FLOAT = ("exponent", "exponent_folded")
+INT_TO_FLOAT = ("exponent",)  # `_plane_to_f16`
 COLUMNS = ("heads", "token_blocks")
 DEFAULT_COLUMNS = "heads"
 ROW_SUMS = ("deferred",)

@@ -42,7 +42,6 @@ class Case:
     bits_v: int | None = None  # value width when it differs from the keys' (bit allocation)
     meta_dtype: str = "float16"  # "uint8": the 8-bit scale/zero encoding (layout.py)
     gather: str | None = None  # the backend's way of reading low-bit pages (None: its default)
-    int_to_float: str | None = None  # codes to float16 operands (None: the backend's default)
     columns: str | None = None  # what the GPU body's N columns hold (None: the default)
 
 
@@ -470,12 +469,11 @@ MOSAIC_CASES = (
             pages_per_block=1,
             fp_lens=(35, 16),
             lowbit_lens=(3 * 128 + 48, 128 + 16),  # odd page counts: a half-used last step
-            int_to_float=itf,
             columns="token_blocks",
         )
         for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
         for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
-        for s, itf in ((1, "exponent_folded"), (3, "exponent_folded"), (3, "exponent"))
+        for s in (1, 3)
     ]  # token blocks in the N columns
     + [
         Case(
@@ -488,30 +486,10 @@ MOSAIC_CASES = (
             lowbit_lens=(128, 0, 0),
             pages_per_block=1,
             num_splits=4,
-            int_to_float="exponent_folded",
             columns="token_blocks",
         )
         for g in (4, 8)
     ]  # blocks and splits with no token; a sequence with no key at all
-    + [
-        Case(
-            batch=2,
-            kv_heads=2,
-            group=4,
-            head_dim=d,
-            bits=bits,
-            page=16,
-            lowbit_page=lp,
-            value_layout=vl,
-            num_splits=3,
-            pages_per_block=1,
-            fp_lens=(35, 16),
-            lowbit_lens=(3 * 128 + 48, 128 + 16),
-            int_to_float="exponent_folded",
-        )
-        for d, bits in ((128, 2), (64, 4))
-        for vl, lp in (("dims", 128), ("tokens", 64), ("tokens", 128))
-    ]  # the float16 offsets folded into the zero-point terms, one head per column
     + [
         Case(
             batch=3,
@@ -555,7 +533,6 @@ class TestDecodeAttentionMosaic:
             num_splits=case.num_splits,
             backend="gpu_mosaic",
             gather=case.gather,
-            int_to_float=case.int_to_float,
             columns=case.columns,
         )
         assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
@@ -575,9 +552,6 @@ _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
 _BLOCK_CASES = [c for c in MOSAIC_CASES if c.columns == "token_blocks"]
 
 
-_FOLDED_HEADS = [c for c in MOSAIC_CASES if c.int_to_float and c.columns is None]
-
-
 @pytest.mark.parametrize(
     "case",
     [
@@ -587,7 +561,6 @@ _FOLDED_HEADS = [c for c in MOSAIC_CASES if c.int_to_float and c.columns is None
         _BULK_CASES[0],
         _BLOCK_CASES[4],
         _BLOCK_CASES[-1],
-        _FOLDED_HEADS[1],
     ],
     ids=str,
 )
@@ -603,7 +576,6 @@ def test_mosaic_kernel_lowers_for_cuda(case: Case):
             backend="gpu_mosaic",
             value_layout=case.value_layout,
             gather=case.gather,
-            int_to_float=case.int_to_float,
             columns=case.columns,
         )
 
