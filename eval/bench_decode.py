@@ -237,12 +237,17 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st, "tma", "heads") for st in gm.STAGES_KINDS]
-    runs += [(64, "tokens", "full", "tma", "heads")]
+    runs = [(128, "dims", st, "tma", "heads", "exponent") for st in gm.STAGES_KINDS]
+    runs += [(64, "tokens", "full", "tma", "heads", "exponent")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", st, "bulk", "heads") for st in ("full", "loads")]
-    # Token blocks in the N columns.
-    runs += [(128, "dims", st, "tma", "token_blocks") for st in ("full", "keys", "loads")]
+    runs += [(128, "dims", st, "bulk", "heads", "exponent") for st in ("full", "loads")]
+    # Token blocks in the N columns; the unpack in inline PTX.
+    runs += [(128, "dims", st, "tma", "token_blocks", "exponent") for st in ("full", "keys")]
+    runs += [
+        (128, "dims", st, "tma", c, "asm")
+        for st in ("full", "keys")
+        for c in ("heads", "token_blocks")
+    ]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -256,9 +261,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, cols in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy, cols, unpack in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy, cols=cols):
+            def call(c, qg, stage=stage, vl=vl, copy=copy, cols=cols, unpack=unpack):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -269,11 +274,13 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     value_layout=vl,
                     code_copy=copy,
                     columns=cols,
+                    int_to_float=unpack,
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             name += "_bulk" if copy == "bulk" else ""
             name += "_token_blocks" if cols == "token_blocks" else ""
+            name += "_asm" if unpack == "asm" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -428,6 +435,22 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_vdims_blocks_splits_x2": (
         2,
         dict(_MOSAIC_DIMS, columns="token_blocks", splits_factor=2),
+        dict(lowbit_page_size=128),
+    ),
+    # The unpack in inline PTX (one PRMT per register, LOP3 + SUB.F16X2 per plane).
+    "int2_mosaic_vdims_asm": (
+        2,
+        dict(_MOSAIC_DIMS, int_to_float="asm"),
+        dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_vdims_blocks_asm": (
+        2,
+        dict(_MOSAIC_DIMS, columns="token_blocks", int_to_float="asm"),
+        dict(lowbit_page_size=128),
+    ),
+    "int4_mosaic_vdims_asm": (
+        4,
+        dict(_MOSAIC_DIMS, int_to_float="asm"),
         dict(lowbit_page_size=128),
     ),
     "int4_mosaic_vdims_blocks": (

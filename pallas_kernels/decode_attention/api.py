@@ -231,7 +231,8 @@ def decode_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums", "columns")
+@functools.partial(
+    jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums", "columns")
 )
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]

@@ -51,7 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
 
 from pallas_kernels import layout
 from pallas_kernels.decode_attention import gpu_triton
@@ -108,6 +112,51 @@ def _plane_to_f16(w: jax.Array, i: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type(code_bits, jnp.float16) - jnp.float16(2.0 ** (10 - shift))
 
 
+def _planes_asm(codes: jax.Array, bits: int) -> list[jax.Array]:
+    """Every plane of a uint8 code tile (WGMMA layout) as float16, in inline PTX.
+
+    The same float16 bit trick as `_plane_to_f16`, written per 32-bit register: a thread's
+    two code bytes (columns ``c, c+1``) are spread into the low bytes of the two halves by
+    one PRMT shared by all planes, then each plane is one LOP3 (mask, OR under the float16
+    exponent) and one SUB.F16X2 for two codes.
+    """
+    n = layout.codes_per_byte(bits)
+    code_mask = (1 << bits) - 1
+    lines = ["{", ".reg .b32 t, m;", f"prmt.b32 t, ${n}, 0, 0x4140;"]
+    for i in range(n):
+        mask = (code_mask << (bits * i)) * 0x10001
+        exponent = ((25 - bits * i) << 10) * 0x10001  # float16 2^(10 - bits*i), both halves
+        lines += [
+            f"lop3.b32 ${i}, t, {mask:#010x}, {exponent:#010x}, 0xea;",  # (t & mask) | exponent
+            f"mov.b32 m, {exponent:#010x};",
+            f"sub.f16x2 ${i}, ${i}, m;",
+        ]
+    asm = "\n".join(lines + ["}"])
+    constraints = ",".join(["=r"] * n + ["r"])
+    out = tuple(
+        plgpu.ShapeDtypeStruct(codes.shape, jnp.float16, layout=plgpu.Layout.WGMMA)
+        for _ in range(n)
+    )
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out)
+    def unpack(_, arr):
+        i16 = ir.IntegerType.get_signless(16)
+        i32 = ir.IntegerType.get_signless(32)
+        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+        result = llvm.StructType.get_literal([i32] * n)
+        planes = [np.empty_like(arr.registers) for _ in range(n)]
+        for idx, reg in np.ndenumerate(arr.registers):
+            word = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
+            res = llvm.inline_asm(result, [word], asm, constraints, has_side_effects=False)
+            for i in range(n):
+                planes[i][idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), f16x2)
+        return tuple(
+            mgpu.FragmentedArray(_registers=r, _layout=arr.layout, _is_signed=None) for r in planes
+        )
+
+    return list(unpack(codes))
+
+
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
 
 
@@ -141,6 +190,7 @@ def _kernel(
     stage: str,
     value_layout: str,
     code_copy: str,
+    asm: bool,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, W] or [STAGES, d, tile / n]; meta
     # f16[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
@@ -194,8 +244,10 @@ def _kernel(
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
 
     def planes(tile_ref):
-        w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.int16)
-        return [_plane_to_f16(w, i, bits) for i in range(n)]
+        w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
+        if asm:
+            return _planes_asm(w, bits)
+        return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
 
     def meta(r, slot):
         return plgpu.load(meta_smem.at[r, slot], (), layout=row).astype(jnp.float32)
@@ -346,6 +398,7 @@ def _kernel_blocks(
     blocks: int,
     stage: str,
     code_copy: str,
+    asm: bool,
 ):
     # k [STAGES, pp, page, W]; v [STAGES, pp, d, page / n]; meta f16[4, STAGES, pp, page];
     # p f16[step, N] (block-diagonal).
@@ -436,8 +489,10 @@ def _kernel_blocks(
         return out
 
     def planes(ref):
-        w = plgpu.load(ref, (), layout=wg).astype(jnp.int16)
-        return [_plane_to_f16(w, i, bits) for i in range(n)]
+        w = plgpu.load(ref, (), layout=wg)
+        if asm:
+            return _planes_asm(w, bits)
+        return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
 
     def step(i, carry):
         acc, m_i, l_i, zc = carry
@@ -634,6 +689,7 @@ def lowbit_partials(
             blocks=blocks,
             stage=stage,
             code_copy=code_copy,
+            asm=int_to_float == "asm",
         )
         meta_tile = plgpu.SMEM((4, STAGES, pp, page), jnp.float16)
         ring = (code_tiles(page, width), code_tiles(d, page // n), meta_tile, p_tile)
@@ -652,6 +708,7 @@ def lowbit_partials(
             stage=stage,
             value_layout=value_layout,
             code_copy=code_copy,
+            asm=int_to_float == "asm",
         )
         if value_layout == "dims":
             v_smem = code_tiles(d, tile // n)
@@ -702,7 +759,7 @@ MIN_GROUP_PAD = GROUP_PAD
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
-INT_TO_FLOAT = ("exponent",)  # `_plane_to_f16`
+INT_TO_FLOAT = ("exponent", "asm")  # `_plane_to_f16`, `_planes_asm`
 COLUMNS = ("heads", "token_blocks")
 DEFAULT_COLUMNS = "heads"
 ROW_SUMS = ("deferred",)

@@ -43,6 +43,7 @@ class Case:
     meta_dtype: str = "float16"  # "uint8": the 8-bit scale/zero encoding (layout.py)
     gather: str | None = None  # the backend's way of reading low-bit pages (None: its default)
     columns: str | None = None  # what the GPU body's N columns hold (None: the default)
+    int_to_float: str | None = None  # codes to float16 operands (None: the backend's default)
 
 
 def _pages_for(n: int, page: int) -> int:
@@ -492,6 +493,31 @@ MOSAIC_CASES = (
     ]  # blocks and splits with no token; a sequence with no key at all
     + [
         Case(
+            batch=2,
+            kv_heads=hkv,
+            group=g,
+            head_dim=d,
+            bits=bits,
+            page=16,
+            lowbit_page=lp,
+            value_layout=vl,
+            num_splits=3,
+            pages_per_block=1,
+            fp_lens=(35, 16),
+            lowbit_lens=(3 * 128 + 48, 128 + 16),
+            columns=cols,
+            int_to_float="asm",
+        )
+        for hkv, g in ((1, 1), (2, 4), (2, 8))
+        for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
+        for vl, lp, cols in (
+            ("dims", 128, None),
+            ("dims", 128, "token_blocks"),
+            ("tokens", 64, None),
+        )
+    ]  # the inline-PTX unpack
+    + [
+        Case(
             batch=3,
             head_dim=128,
             lowbit_page=64,
@@ -534,6 +560,7 @@ class TestDecodeAttentionMosaic:
             backend="gpu_mosaic",
             gather=case.gather,
             columns=case.columns,
+            int_to_float=case.int_to_float,
         )
         assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
         live = [b for b in range(case.batch) if case.fp_lens[b] + case.lowbit_lens[b] > 0]
@@ -552,6 +579,9 @@ _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
 _BLOCK_CASES = [c for c in MOSAIC_CASES if c.columns == "token_blocks"]
 
 
+_ASM_CASES = [c for c in MOSAIC_CASES if c.int_to_float == "asm"]
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -561,6 +591,8 @@ _BLOCK_CASES = [c for c in MOSAIC_CASES if c.columns == "token_blocks"]
         _BULK_CASES[0],
         _BLOCK_CASES[4],
         _BLOCK_CASES[-1],
+        _ASM_CASES[1],
+        _ASM_CASES[-2],
     ],
     ids=str,
 )
@@ -577,6 +609,7 @@ def test_mosaic_kernel_lowers_for_cuda(case: Case):
             value_layout=case.value_layout,
             gather=case.gather,
             columns=case.columns,
+            int_to_float=case.int_to_float,
         )
 
     lowered = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
