@@ -437,20 +437,15 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(_MOSAIC_DIMS, columns="token_blocks", splits_factor=2),
         dict(lowbit_page_size=128),
     ),
-    # The unpack in inline PTX (one PRMT per register, LOP3 + SUB.F16X2 per plane).
-    "int2_mosaic_vdims_asm": (
+    # The unpack in jnp ops (before run 48's inline PTX, `gpu_mosaic._planes_asm`).
+    "int2_mosaic_vdims_exponent": (
         2,
-        dict(_MOSAIC_DIMS, int_to_float="asm"),
+        dict(_MOSAIC_DIMS, int_to_float="exponent"),
         dict(lowbit_page_size=128),
     ),
-    "int2_mosaic_vdims_blocks_asm": (
-        2,
-        dict(_MOSAIC_DIMS, columns="token_blocks", int_to_float="asm"),
-        dict(lowbit_page_size=128),
-    ),
-    "int4_mosaic_vdims_asm": (
+    "int4_mosaic_vdims_exponent": (
         4,
-        dict(_MOSAIC_DIMS, int_to_float="asm"),
+        dict(_MOSAIC_DIMS, int_to_float="exponent"),
         dict(lowbit_page_size=128),
     ),
     "int4_mosaic_vdims_blocks": (
