@@ -237,17 +237,11 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st, "tma", "heads", "exponent") for st in gm.STAGES_KINDS]
-    runs += [(64, "tokens", "full", "tma", "heads", "exponent")]
+    runs = [(128, "dims", st, "tma", "heads", "asm") for st in gm.STAGES_KINDS]
+    runs += [(128, "dims", "full", "tma", "heads", "exponent")]  # the unpack in jnp ops
+    runs += [(64, "tokens", "full", "tma", "heads", "asm")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", st, "bulk", "heads", "exponent") for st in ("full", "loads")]
-    # Token blocks in the N columns; the unpack in inline PTX.
-    runs += [(128, "dims", st, "tma", "token_blocks", "exponent") for st in ("full", "keys")]
-    runs += [
-        (128, "dims", st, "tma", c, "asm")
-        for st in ("full", "keys")
-        for c in ("heads", "token_blocks")
-    ]
+    runs += [(128, "dims", st, "bulk", "heads", "asm") for st in ("full", "loads")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -280,7 +274,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             name += "_bulk" if copy == "bulk" else ""
             name += "_token_blocks" if cols == "token_blocks" else ""
-            name += "_asm" if unpack == "asm" else ""
+            name += "_exponent" if unpack == "exponent" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
