@@ -237,11 +237,11 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st, "tma", "heads", "asm") for st in gm.STAGES_KINDS]
-    runs += [(128, "dims", "full", "tma", "heads", "exponent")]  # the unpack in jnp ops
-    runs += [(64, "tokens", "full", "tma", "heads", "asm")]
+    runs = [(128, "dims", st, "tma", "asm") for st in gm.STAGES_KINDS]
+    runs += [(128, "dims", "full", "tma", "exponent")]  # the unpack in jnp ops
+    runs += [(64, "tokens", "full", "tma", "asm")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", st, "bulk", "heads", "asm") for st in ("full", "loads")]
+    runs += [(128, "dims", st, "bulk", "asm") for st in ("full", "loads")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -255,9 +255,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, cols, unpack in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy, unpack in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy, cols=cols, unpack=unpack):
+            def call(c, qg, stage=stage, vl=vl, copy=copy, unpack=unpack):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -267,13 +267,11 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     stage=stage,
                     value_layout=vl,
                     code_copy=copy,
-                    columns=cols,
                     int_to_float=unpack,
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             name += "_bulk" if copy == "bulk" else ""
-            name += "_token_blocks" if cols == "token_blocks" else ""
             name += "_exponent" if unpack == "exponent" else ""
             record(
                 name,
@@ -415,22 +413,6 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
         dict(lowbit_page_size=128),
     ),
-    # Token blocks in the N columns: the softmax on [64, 16] tiles without padding columns.
-    "int2_mosaic_vdims_blocks": (
-        2,
-        dict(_MOSAIC_DIMS, columns="token_blocks"),
-        dict(lowbit_page_size=128),
-    ),
-    "int2_mosaic_vdims_blocks_bulk": (
-        2,
-        dict(_MOSAIC_DIMS, columns="token_blocks", gather="bulk"),
-        dict(lowbit_page_size=128),
-    ),
-    "int2_mosaic_vdims_blocks_splits_x2": (
-        2,
-        dict(_MOSAIC_DIMS, columns="token_blocks", splits_factor=2),
-        dict(lowbit_page_size=128),
-    ),
     # The unpack in jnp ops (before run 48's inline PTX, `gpu_mosaic._planes_asm`).
     "int2_mosaic_vdims_exponent": (
         2,
@@ -440,11 +422,6 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int4_mosaic_vdims_exponent": (
         4,
         dict(_MOSAIC_DIMS, int_to_float="exponent"),
-        dict(lowbit_page_size=128),
-    ),
-    "int4_mosaic_vdims_blocks": (
-        4,
-        dict(_MOSAIC_DIMS, columns="token_blocks"),
         dict(lowbit_page_size=128),
     ),
     "int2_mosaic_splits_x2": (

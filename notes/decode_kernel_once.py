@@ -7,8 +7,7 @@
 
 VARIANT is a row name of `eval.bench_decode.LOWBIT_VARIANTS`, or ``mosaic_split:STAGE`` (the
 Mosaic split kernel alone, 2 bits, 128-token dimension-major pages, computing STAGE of
-`gpu_mosaic.STAGES_KINDS`: what `eval.bench_decode`'s ``mosaic_stages`` rows time;
-``mosaic_blocks:STAGE`` the same with ``columns="token_blocks"``); the
+`gpu_mosaic.STAGES_KINDS`: what `eval.bench_decode`'s ``mosaic_stages`` rows time); the
 inputs (cache split into sink/recent full-precision and low-bit pages, random transforms) are
 the benchmark's own, at
 BATCHxCONTEXT (default 8x16384). The call is compiled and run once before the profiled call, so
@@ -26,7 +25,7 @@ import os
 import sys
 
 
-def run_split_once(stage: str, batch: int, ctx: int, columns: str = "heads") -> None:
+def run_split_once(stage: str, batch: int, ctx: int) -> None:
     import jax
 
     from eval import bench_decode as bd
@@ -44,14 +43,7 @@ def run_split_once(stage: str, batch: int, ctx: int, columns: str = "heads") -> 
     qg = jax.random.normal(jax.random.key(1), (batch, cfg.kv_heads, group, cfg.head_dim))
     f = jax.jit(
         lambda qg, ls: gm.lowbit_partials(
-            qg,
-            ls,
-            bits=2,
-            scale_log2=0.1,
-            group=group,
-            stage=stage,
-            value_layout="dims",
-            columns=columns,
+            qg, ls, bits=2, scale_log2=0.1, group=group, stage=stage, value_layout="dims"
         )
     )
     for _ in range(2):
@@ -81,15 +73,14 @@ if __name__ == "__main__":
     from eval.bench_decode import LOWBIT_VARIANTS
     from pallas_kernels.decode_attention.gpu_mosaic import STAGES_KINDS
 
-    split_names = [f"mosaic_{w}:{k}" for k in STAGES_KINDS for w in ("split", "blocks")]
+    split_names = [f"mosaic_split:{k}" for k in STAGES_KINDS]
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in [*LOWBIT_VARIANTS, *split_names]:
         raise SystemExit(
             f"usage: decode_kernel_once.py VARIANT [BATCHxCONTEXT], VARIANT one of "
             f"{sorted(LOWBIT_VARIANTS) + split_names}"
         )
     b, c = (int(v) for v in (sys.argv[2] if len(sys.argv) == 3 else "8x16384").split("x"))
-    if sys.argv[1].startswith(("mosaic_split:", "mosaic_blocks:")):
-        kind, stage = sys.argv[1].split(":", 1)
-        run_split_once(stage, b, c, "token_blocks" if kind == "mosaic_blocks" else "heads")
+    if sys.argv[1].startswith("mosaic_split:"):
+        run_split_once(sys.argv[1].split(":", 1)[1], b, c)
     else:
         run_once(sys.argv[1], b, c)

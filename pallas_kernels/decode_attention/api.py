@@ -231,9 +231,7 @@ def decode_attention(
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums", "columns")
-)
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums"))
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]
     fp: FpPages,
@@ -253,15 +251,14 @@ def decode_attention_variant(
     gather: str | None = None,
     int_to_float: str | None = None,
     row_sums: str | None = None,
-    columns: str | None = None,
 ) -> jax.Array:  # f32[B, Hq, d]
     """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
 
     Args:
-      gather, int_to_float, row_sums, columns: see `DecodeConfig`; ``None`` takes the
-        backend's defaults (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` /
-        ``DEFAULT_ROW_SUMS`` / ``DEFAULT_COLUMNS`` of the backend module; the modes a backend
-        supports are its ``GATHER_MODES`` / ``INT_TO_FLOAT`` / ``ROW_SUMS`` / ``COLUMNS``).
+      gather, int_to_float, row_sums: see `DecodeConfig`; ``None`` takes the backend's
+        defaults (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` / ``DEFAULT_ROW_SUMS`` of the
+        backend module; the modes a backend supports are its ``GATHER_MODES`` /
+        ``INT_TO_FLOAT`` / ``ROW_SUMS``).
       Others: as in `decode_attention`.
     """
     dims = _validate(q, fp, lowbit, transforms, bits=bits, value_layout=value_layout, bits_v=bits_v)
@@ -301,9 +298,6 @@ def decode_attention_variant(
     row_sums = mod.DEFAULT_ROW_SUMS if row_sums is None else row_sums
     if row_sums not in mod.ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r} must be one of {mod.ROW_SUMS} for {backend=}")
-    columns = mod.DEFAULT_COLUMNS if columns is None else columns
-    if columns not in mod.COLUMNS:
-        raise ValueError(f"columns={columns!r} must be one of {mod.COLUMNS} for {backend=}")
     unit = 1 if backend == "tpu" else pages_per_block
     if num_splits is None:
         num_splits = lowbit_auto_splits(
@@ -330,7 +324,6 @@ def decode_attention_variant(
         row_sums=row_sums,
         group=g,
         value_layout=value_layout,
-        columns=columns,
     )
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)

@@ -333,244 +333,6 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-# ------------------------------------------------------------------------------------------
-# Token blocks in the N columns (``columns="token_blocks"``). At GQA 4 the ``[tile, 16]``
-# logits tile of the body above is three-quarters padding, and every softmax operation runs
-# on it. Here the 16 columns hold ``blocks`` 64-token blocks of one step times the group:
-# block ``b``'s key codes meet a block-diagonal query whose columns outside block ``b`` are
-# zero, so one ``[64, 16]`` accumulator holds the logits of ``64 * blocks`` tokens with no
-# padding column (GQA <= 4: 4 blocks, 256 tokens; GQA 8: 2 blocks). Each column is its own
-# online softmax (its own max and sum), so a CTA returns ``blocks`` split partials per split
-# and the merge kernel combines them. The probabilities go to shared memory block-diagonally
-# too (block ``b``'s rows carry only block ``b``'s columns), so the value MMA over the
-# step's tokens adds each block into its own columns.
-# ------------------------------------------------------------------------------------------
-def _column_block(c, blocks: int):
-    """Token block of column ``c``: one per thread register pair of the WGMMA layout (a
-    thread holds columns ``2k, 2k+1, 2k+8, 2k+9``), so a row's per-block values reach a
-    register by one lane-parity select."""
-    if blocks == 4:
-        return 2 * (c >> 3) + ((c >> 1) & 1)
-    if blocks == 2:
-        return c >> 3
-    return c & 0
-
-
-def _column_head(c, blocks: int):
-    """Query head (within the GQA group) of column ``c``."""
-    if blocks == 4:
-        return 2 * ((c >> 2) & 1) + (c & 1)
-    if blocks == 2:
-        return c & 7
-    return c
-
-
-def blocks_for_group(group: int) -> int:
-    """Token blocks per step of ``columns="token_blocks"`` (16 columns / padded group)."""
-    return 4 if group <= 4 else 2
-
-
-def _kernel_blocks(
-    q_gmem,  # f16[B, Hkv, blocks * n, N, W] block-diagonal query planes, times scale_log2
-    qsum_gmem,  # f32[B, Hkv, 32] sum over channels of the float16 query, per column
-    kc_gmem,  # u8[P, Hkv, page, W]
-    vc_gmem,  # u8[P, Hkv, d, page / n] (dims)
-    ks_gmem,  # f16[P, Hkv, page]
-    kz_gmem,
-    vs_gmem,
-    vz_gmem,
-    tab_gmem,  # i32[B, S, rows, 32]: pages of the split, then its valid-token count
-    acc_gmem,  # f32[B, Hkv, S, d, N]
-    m_gmem,  # f32[B, Hkv, S, N]
-    l_gmem,  # f32[B, Hkv, S, N]
-    q_smem,
-    qsum_smem,
-    tab_smem,
-    ring,
-    vec_smem,
-    bar_in,
-    bars,
-    *,
-    n: int,
-    bits: int,
-    page: int,
-    pages_per_split: int,
-    blocks: int,
-    stage: str,
-    code_copy: str,
-    asm: bool,
-):
-    # k [STAGES, pp, page, W]; v [STAGES, pp, d, page / n]; meta f16[4, STAGES, pp, page];
-    # p f16[step, N] (block-diagonal).
-    (k_smem, v_smem, meta_smem, p_smem), out_smem = ring
-    bi = lax.axis_index("b")
-    h = lax.axis_index("h")
-    si = lax.axis_index("s")
-    width = q_smem.shape[-1]
-    d = n * width
-    span = blocks * TILE  # tokens per step
-    pp = span // page  # pages per step
-    kb = page // n  # tokens per value code plane
-    plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
-    plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, h], qsum_smem, bar_in.at[0])
-    plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
-    plgpu.barrier_wait(bar_in.at[0])
-
-    def table(i):
-        return tab_smem[i // _COPY_WORDS, lax.rem(i, _COPY_WORDS)]
-
-    count = table(pages_per_split)
-    n_steps = (count + span - 1) // span
-    first_page = table(0)
-    copy = plgpu.copy_gmem_to_smem
-    if code_copy == "bulk":
-        copy = functools.partial(copy, oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-
-    def issue(step, slot):
-        bar = bars.at[slot]
-        for j in range(pp):
-            idx = step * pp + j
-            # A step's last page may lie past the split's tokens (and its table row): read
-            # a page that exists instead; its tokens are masked.
-            pg = jnp.where(idx * page < count, table(idx), first_page)
-            copy(kc_gmem.at[pg, h], k_smem.at[slot, j], bar)
-            copy(vc_gmem.at[pg, h], v_smem.at[slot, j], bar)
-            if stage == "loads_codes":
-                continue
-            for r, src in enumerate((ks_gmem, kz_gmem, vs_gmem, vz_gmem)):
-                copy(src.at[pg, h], meta_smem.at[r, slot, j], bar)
-
-    for st in range(STAGES - 1):
-        pl.when(st < n_steps)(functools.partial(issue, st, st))
-
-    wg = plgpu.Layout.WGMMA
-    row = wg.reduce(1)
-    col = wg.reduce(0)
-    shape = (TILE, GROUP_PAD)
-    if stage in ("loads", "loads_codes"):  # attribution: the ring alone (nothing else traced)
-
-        @pl.loop(0, n_steps)
-        def _ring(i):
-            nxt = i + STAGES - 1
-
-            @pl.when(nxt < n_steps)
-            def _next():
-                issue(nxt, lax.rem(nxt, STAGES))
-
-            plgpu.barrier_wait(bars.at[lax.rem(i, STAGES)])
-
-        return
-    qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
-    bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
-    bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
-    cidx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wg)
-    blk = _column_block(cidx, blocks)
-    tok0 = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wg) + TILE * blk
-    in_block = [blk == b for b in range(blocks)]
-    hi = (cidx >> 3) == 1
-    odd = ((cidx >> 1) & 1) == 1
-
-    def per_block(vecs):  # one [64] row vector per block -> the [64, 16] tile
-        if blocks == 4:
-            lo_pair = jnp.where(odd, bcast_row(vecs[1]), bcast_row(vecs[0]))
-            hi_pair = jnp.where(odd, bcast_row(vecs[3]), bcast_row(vecs[2]))
-            return jnp.where(hi, hi_pair, lo_pair)
-        return jnp.where(hi, bcast_row(vecs[1]), bcast_row(vecs[0]))
-
-    def block_rows(b):  # (page within the step, first row) of block b
-        return (b * TILE) // page, (b * TILE) % page
-
-    def meta(r, slot):
-        out = []
-        for b in range(blocks):
-            j, r0 = block_rows(b)
-            ref = meta_smem.at[r, slot, j, pl.ds(r0, TILE)]
-            out.append(plgpu.load(ref, (), layout=row).astype(jnp.float32))
-        return out
-
-    def planes(ref):
-        w = plgpu.load(ref, (), layout=wg)
-        if asm:
-            return _planes_asm(w, bits)
-        return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
-
-    def step(i, carry):
-        acc, m_i, l_i, zc = carry
-        slot = lax.rem(i, STAGES)
-        nxt = i + STAGES - 1
-
-        @pl.when(nxt < n_steps)
-        def _next():
-            issue(nxt, lax.rem(nxt, STAGES))
-
-        plgpu.barrier_wait(bars.at[slot])
-
-        # One MMA group per plane; waiting for the previous block's (page's) groups before
-        # unpacking the next keeps one block's float16 planes live, not all (run 46 spilled).
-        def keys(acc_ref):
-            for b in range(blocks):
-                j, r0 = block_rows(b)
-                tile_ref = k_smem.at[slot, j, pl.ds(r0, TILE)]
-                for p, plane in enumerate(planes(tile_ref)):
-                    plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[b * n + p], (1, 0)))
-                if b + 1 < blocks:
-                    plgpu.wgmma_wait(n)
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
-
-        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
-        ks, kz = per_block(meta(0, slot)), per_block(meta(1, slot))
-        logits = ks * (raw - kz * bcast_col(qsum))
-        valid = tok0 < count - i * span
-        logits = jnp.where(valid, logits, da.NEG_INF)
-        m_new = jnp.maximum(m_i, logits.max(axis=0))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(logits - bcast_col(m_new))
-        vs = per_block(meta(2, slot))
-        vz = per_block(meta(3, slot))
-        pv = jnp.where(valid, p * vs, 0.0)
-        pvz = jnp.where(valid, pv * vz, 0.0)
-        l_i = l_i * bcast_col(alpha) + p
-        zc = zc * bcast_col(alpha) + pvz
-        if stage == "keys":
-            return acc, m_new, l_i, zc
-        pv16 = pv.astype(jnp.float16)
-        for b in range(blocks):  # block b's rows carry only block b's columns
-            p_smem.at[pl.ds(b * TILE, TILE)][...] = jnp.where(in_block[b], pv16, jnp.float16(0))
-        plgpu.commit_smem()
-        acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
-
-        def values(acc_ref):
-            for j in range(pp):
-                for c, plane in enumerate(planes(v_smem.at[slot, j])):
-                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(j * page + c * kb, kb)])
-                if j + 1 < pp:
-                    plgpu.wgmma_wait(n)
-            plgpu.wgmma_wait(0)
-
-        acc = pl.run_state(values)(plgpu.ACC.init(acc))
-        return acc, m_new, l_i, zc
-
-    carry = (
-        plgpu.layout_cast(jnp.zeros((d, GROUP_PAD), jnp.float32), wg),
-        plgpu.layout_cast(jnp.full((GROUP_PAD,), da.NEG_INF, jnp.float32), col),
-        plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wg),
-        plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wg),
-    )
-    acc, m_i, l_i, zc = lax.fori_loop(0, n_steps, step, carry)
-    # A block with no valid token in any step summed exp2(0) over its masked rows.
-    l_i = jnp.where(m_i == da.NEG_INF, 0.0, l_i.sum(axis=0))
-    zc = zc.sum(axis=0)
-    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, GROUP_PAD), [1])
-    vec_smem.at[0][...] = m_i
-    vec_smem.at[1][...] = l_i
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, si])
-    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, si])
-    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, si])
-    plgpu.wait_smem_to_gmem(0)
-
-
 def lowbit_partials(
     qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries (any Gp <= GROUP_PAD)
     lowbit_set: tuple,  # (kc, vc, ks, kz, vs, vz, table i32[B, S, pps], len i32[B])
@@ -583,13 +345,11 @@ def lowbit_partials(
     auto_barriers: bool = False,
     code_copy: str = "tma",
     int_to_float: str = "asm",
-    columns: str = "heads",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]).
+    """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
     ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
-    and denominator, as the Triton body returns them. ``S' = S`` with ``columns="heads"``,
-    ``S * blocks_for_group(group)`` with ``"token_blocks"`` (each block is its own partial).
+    and denominator, as the Triton body returns them.
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -607,29 +367,12 @@ def lowbit_partials(
         raise ValueError(f"code_copy={code_copy!r} must be one of {CODE_COPIES}")
     if int_to_float not in INT_TO_FLOAT:
         raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
-    if columns not in COLUMNS:
-        raise ValueError(f"columns={columns!r} must be one of {COLUMNS}")
-    token_blocks = columns == "token_blocks"
-    if token_blocks and (value_layout != "dims" or group > 8):
-        raise ValueError(
-            f"columns='token_blocks' needs value_layout='dims' and a GQA group <= 8, got "
-            f"{value_layout=} {group=}"
-        )
-    blocks = blocks_for_group(group) if token_blocks else 1
     # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
-    # Column c holds head `_column_head(c)` (heads-mode: c itself); padding heads are zero.
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
-    cols = np.arange(GROUP_PAD)
-    heads = _column_head(cols, blocks) if token_blocks else cols
-    qs = qs[:, :, heads]
+    q_planes = qs.reshape(b, hkv, GROUP_PAD, n, width).transpose(0, 1, 3, 2, 4)
     qsum = jnp.sum(qs.astype(jnp.float32), axis=-1)  # [B, Hkv, N]
     qsum = jnp.pad(qsum, ((0, 0), (0, 0), (0, _COPY_WORDS - GROUP_PAD)))
-    q_planes = qs.reshape(b, hkv, GROUP_PAD, n, width).transpose(0, 1, 3, 2, 4)
-    if token_blocks:  # block-diagonal: block j's planes keep only block j's columns
-        in_block = _column_block(cols, blocks)[None, :] == np.arange(blocks)[:, None]
-        q_planes = q_planes[:, :, None] * jnp.asarray(in_block, jnp.float16)[:, None, :, None]
-        q_planes = q_planes.reshape(b, hkv, blocks * n, GROUP_PAD, width)  # TMA: <= 5 dims
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
     count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
@@ -648,14 +391,29 @@ def lowbit_partials(
         raise ValueError(f"code_copy='bulk' needs 32-byte code rows, got {width} and {v_cols}")
     if value_layout == "dims" and tile != page:
         raise ValueError(f"value_layout='dims' needs {MAX_TILE}-token pages, got {page=}")
-    # A step reads `pp` whole pages with token blocks, one tile of a page otherwise.
-    pp = blocks * TILE // page if token_blocks else 1
 
     def code_tiles(rows, cols):
         tf = _swizzled(cols, 8) if code_copy == "tma" else ()
-        lead = (STAGES, pp) if token_blocks else (STAGES,)
-        return plgpu.SMEM((*lead, rows, cols), jnp.uint8, transforms=tf)
+        return plgpu.SMEM((STAGES, rows, cols), jnp.uint8, transforms=tf)
 
+    if value_layout == "dims":
+        v_smem = code_tiles(d, tile // n)
+        v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
+    else:
+        v_smem = code_tiles(tile, width)
+        v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
+    kernel = functools.partial(
+        _kernel,
+        n=n,
+        bits=bits,
+        page=page,
+        pages_per_split=pps,
+        tile=tile,
+        stage=stage,
+        value_layout=value_layout,
+        code_copy=code_copy,
+        asm=int_to_float == "asm",
+    )
     # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
     # step). Safe here: a slot is refilled only in the step after its last reads, and every
     # step ends in `commit_smem` (a warpgroup barrier); no thread reads what it wrote.
@@ -664,65 +422,25 @@ def lowbit_partials(
         reduction_scratch_bytes=_REDUCTION_SCRATCH,
         approx_math=True,
     )
-    p_tile = plgpu.SMEM(
-        (blocks * TILE if token_blocks else tile, GROUP_PAD),
-        jnp.float16,
-        transforms=_swizzled(2 * GROUP_PAD),
+    ring = plgpu.RefUnion(
+        (
+            code_tiles(tile, width),
+            v_smem,
+            plgpu.SMEM((4, STAGES, tile), jnp.float16),
+            plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+        ),
+        plgpu.SMEM((d, GROUP_PAD), jnp.float32),
     )
-    copies = (2 if stage == "loads_codes" else 6) * pp
     scratch = dict(
+        q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
         qsum_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
         tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
+        ring=ring,
+        v16_smem=v16_smem,
         vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
         bar_in=plgpu.Barrier(num_arrivals=3, num_barriers=1),
-        bars=plgpu.Barrier(num_arrivals=copies, num_barriers=STAGES),
+        bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
-    out_tile = plgpu.SMEM((d, GROUP_PAD), jnp.float32)
-    q_tf = _swizzled(2 * width)
-    if token_blocks:
-        kernel = functools.partial(
-            _kernel_blocks,
-            n=n,
-            bits=bits,
-            page=page,
-            pages_per_split=pps,
-            blocks=blocks,
-            stage=stage,
-            code_copy=code_copy,
-            asm=int_to_float == "asm",
-        )
-        meta_tile = plgpu.SMEM((4, STAGES, pp, page), jnp.float16)
-        ring = (code_tiles(page, width), code_tiles(d, page // n), meta_tile, p_tile)
-        scratch.update(
-            q_smem=plgpu.SMEM((blocks * n, GROUP_PAD, width), jnp.float16, transforms=q_tf),
-            ring=plgpu.RefUnion(ring, out_tile),
-        )
-    else:
-        kernel = functools.partial(
-            _kernel,
-            n=n,
-            bits=bits,
-            page=page,
-            pages_per_split=pps,
-            tile=tile,
-            stage=stage,
-            value_layout=value_layout,
-            code_copy=code_copy,
-            asm=int_to_float == "asm",
-        )
-        if value_layout == "dims":
-            v_smem = code_tiles(d, tile // n)
-            v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
-        else:
-            v_smem = code_tiles(tile, width)
-            v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
-        meta_tile = plgpu.SMEM((4, STAGES, tile), jnp.float16)
-        ring = (code_tiles(tile, width), v_smem, meta_tile, p_tile)
-        scratch.update(
-            q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=q_tf),
-            ring=plgpu.RefUnion(ring, out_tile),
-            v16_smem=v16_smem,
-        )
     acc, m, l = plgpu.kernel(
         kernel,
         compiler_params=params,
@@ -735,19 +453,8 @@ def lowbit_partials(
         grid_names=("b", "h", "s"),
         scratch_types=scratch,
     )(q_planes, qsum, kc, vc, *metas, tab_ext)
-    if not token_blocks:
-        acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
-        return acc, m[..., :group], l[..., :group]
-    # Column (block j, head g) -> split s * blocks + j, row g.
-    where = np.zeros((blocks, group), np.int32)
-    for c in range(GROUP_PAD):
-        if _column_head(c, blocks) < group:
-            where[_column_block(c, blocks), _column_head(c, blocks)] = c
-    acc = acc[..., where.reshape(-1)].reshape(b, hkv, s, d, blocks, group)
-    acc = acc.transpose(0, 1, 2, 4, 5, 3).reshape(b, hkv, s * blocks, group, d)
-    m = m[..., where.reshape(-1)].reshape(b, hkv, s * blocks, group)
-    l = l[..., where.reshape(-1)].reshape(b, hkv, s * blocks, group)
-    return acc, m, l
+    acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
+    return acc, m[..., :group], l[..., :group]
 
 
 # ------------------------------------------------------------------------------------------
@@ -760,8 +467,6 @@ HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
 INT_TO_FLOAT = ("exponent", "asm")  # `_plane_to_f16`, `_planes_asm`
-COLUMNS = ("heads", "token_blocks")
-DEFAULT_COLUMNS = "heads"
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "tma"
 DEFAULT_INT_TO_FLOAT = "asm"  # run 48: 0.518 vs 0.595 ms at 8 x 128k, 2 bits
@@ -812,7 +517,6 @@ def paged_decode(
         value_layout=cfg.value_layout,
         code_copy=cfg.gather,
         int_to_float=cfg.int_to_float,
-        columns=cfg.columns,
     )
     cat = functools.partial(jnp.concatenate, axis=2)
     return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])

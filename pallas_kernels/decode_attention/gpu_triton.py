@@ -74,8 +74,6 @@ MIXED_FP_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "asm"
 ROW_SUMS = ("deferred",)
 DEFAULT_ROW_SUMS = "deferred"
-COLUMNS = ("heads",)
-DEFAULT_COLUMNS = "heads"
 
 
 def _f16_bits(x: float) -> int:

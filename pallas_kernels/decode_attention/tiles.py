@@ -63,9 +63,10 @@ class DecodeConfig:
       int_to_float: how codes become float16 dot operands. ``"convert"``: an int->float
         convert. ``"exponent"``: OR the code into the mantissa of float16 1024.0
         (``0x6400 | c`` is ``1024 + c`` exactly) and subtract 1024, in 16-bit integer and
-        half-precision ops. ``"asm"`` (Triton): the same trick two codes per 32-bit
-        instruction in inline PTX (`gpu_triton`); in interpret mode it runs the
-        ``"exponent"`` twin, which yields the identical float16 values.
+        half-precision ops. ``"asm"`` (Triton, Mosaic GPU): the same trick two codes per
+        32-bit instruction in inline PTX (`gpu_triton`, `gpu_mosaic._planes_asm`); in
+        interpret mode Triton runs the ``"exponent"`` twin, which yields the identical
+        float16 values.
       row_sums: how the low-bit loop keeps the softmax denominator and the value zero-point
         correction. ``"deferred"`` (GPU): as ``[Gp, T]`` tiles rescaled like the accumulators
         and reduced once after the loop, so the row max is the only cross-warp reduction per
@@ -73,9 +74,6 @@ class DecodeConfig:
       group: real query heads per KV head (``<= group_pad``); the GPU body writes only these
         rows of its split partials (a quarter of the bytes at GQA 4), ``None`` = all.
       value_layout: ``"tokens"`` or ``"dims"`` (`pallas_kernels.layout.VALUE_LAYOUTS`).
-      columns: what the N columns of the GPU body's tiles hold. ``"heads"``: the GQA group,
-        padded to ``group_pad``. ``"token_blocks"`` (Mosaic GPU): the group times several
-        64-token blocks of one step, so the softmax runs on no padding (`gpu_mosaic`).
       bits_v: value code width when it differs from the keys' (a layer of a bit allocation
         with its own K and V widths); ``None`` = ``bits``. The query is split into the key
         planes' chunks (`key_chunks`), the output into the value planes' (`n_chunks`).
@@ -97,7 +95,6 @@ class DecodeConfig:
     group: int | None = None
     value_layout: str = "tokens"
     bits_v: int | None = None
-    columns: str = "heads"
 
     @property
     def value_bits(self) -> int | None:

@@ -35,8 +35,6 @@ WIDE_PAGES_PER_BLOCK = 1  # (4-bit widths: the same)
 DEFAULT_INT_TO_FLOAT = "convert"
 ROW_SUMS = ("per_step",)
 DEFAULT_ROW_SUMS = "per_step"
-COLUMNS = ("heads",)
-DEFAULT_COLUMNS = "heads"
 
 
 def _kernel(

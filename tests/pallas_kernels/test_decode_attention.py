@@ -42,7 +42,6 @@ class Case:
     bits_v: int | None = None  # value width when it differs from the keys' (bit allocation)
     meta_dtype: str = "float16"  # "uint8": the 8-bit scale/zero encoding (layout.py)
     gather: str | None = None  # the backend's way of reading low-bit pages (None: its default)
-    columns: str | None = None  # what the GPU body's N columns hold (None: the default)
     int_to_float: str | None = None  # codes to float16 operands (None: the backend's default)
 
 
@@ -464,58 +463,18 @@ MOSAIC_CASES = (
             head_dim=d,
             bits=bits,
             page=16,
-            lowbit_page=128,
-            value_layout="dims",
-            num_splits=s,
-            pages_per_block=1,
-            fp_lens=(35, 16),
-            lowbit_lens=(3 * 128 + 48, 128 + 16),  # odd page counts: a half-used last step
-            columns="token_blocks",
-        )
-        for hkv, g in ((1, 1), (2, 4), (8, 4), (2, 8))
-        for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
-        for s in (1, 3)
-    ]  # token blocks in the N columns
-    + [
-        Case(
-            batch=3,
-            head_dim=128,
-            lowbit_page=128,
-            value_layout="dims",
-            group=g,
-            fp_lens=(0, 5, 0),
-            lowbit_lens=(128, 0, 0),
-            pages_per_block=1,
-            num_splits=4,
-            columns="token_blocks",
-        )
-        for g in (4, 8)
-    ]  # blocks and splits with no token; a sequence with no key at all
-    + [
-        Case(
-            batch=2,
-            kv_heads=hkv,
-            group=g,
-            head_dim=d,
-            bits=bits,
-            page=16,
             lowbit_page=lp,
             value_layout=vl,
             num_splits=3,
             pages_per_block=1,
             fp_lens=(35, 16),
             lowbit_lens=(3 * 128 + 48, 128 + 16),
-            columns=cols,
-            int_to_float="asm",
+            int_to_float="exponent",
         )
         for hkv, g in ((1, 1), (2, 4), (2, 8))
         for d, bits in ((128, 2), (128, 4), (64, 4), (256, 2))
-        for vl, lp, cols in (
-            ("dims", 128, None),
-            ("dims", 128, "token_blocks"),
-            ("tokens", 64, None),
-        )
-    ]  # the inline-PTX unpack
+        for vl, lp in (("dims", 128), ("tokens", 64))
+    ]  # the plane unpack in jnp ops (the default is inline PTX)
     + [
         Case(
             batch=3,
@@ -559,7 +518,6 @@ class TestDecodeAttentionMosaic:
             num_splits=case.num_splits,
             backend="gpu_mosaic",
             gather=case.gather,
-            columns=case.columns,
             int_to_float=case.int_to_float,
         )
         assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
@@ -576,10 +534,7 @@ _DIMS_CASES = [c for c in MOSAIC_CASES if c.value_layout == "dims"]
 _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
 
 
-_BLOCK_CASES = [c for c in MOSAIC_CASES if c.columns == "token_blocks"]
-
-
-_ASM_CASES = [c for c in MOSAIC_CASES if c.int_to_float == "asm"]
+_JNP_UNPACK_CASES = [c for c in MOSAIC_CASES if c.int_to_float == "exponent"]
 
 
 @pytest.mark.parametrize(
@@ -589,10 +544,8 @@ _ASM_CASES = [c for c in MOSAIC_CASES if c.int_to_float == "asm"]
         MOSAIC_CASES[-1],
         _DIMS_CASES[3],
         _BULK_CASES[0],
-        _BLOCK_CASES[4],
-        _BLOCK_CASES[-1],
-        _ASM_CASES[1],
-        _ASM_CASES[-2],
+        _JNP_UNPACK_CASES[1],
+        _JNP_UNPACK_CASES[-2],
     ],
     ids=str,
 )
@@ -608,7 +561,6 @@ def test_mosaic_kernel_lowers_for_cuda(case: Case):
             backend="gpu_mosaic",
             value_layout=case.value_layout,
             gather=case.gather,
-            columns=case.columns,
             int_to_float=case.int_to_float,
         )
 
