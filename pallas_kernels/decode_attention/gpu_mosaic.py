@@ -9,8 +9,10 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   is already a ``[tile, d/n]`` array in the MMA's A layout, so
   ``logits^T[tile, N] = sum_i plane_i @ q_i^T`` is ``n`` warpgroup MMAs of K = d/n against the
   matching column block of the transformed query (shared memory, group padded to N = 16).
-  A plane becomes float16 without an integer-to-float conversion (`_plane_to_f16`: a mask,
-  an OR under a float16 exponent and a subtraction, two codes per 32-bit instruction).
+  A plane becomes float16 without an integer-to-float conversion: a mask, an OR under a
+  float16 exponent and a subtraction, two codes per 32-bit instruction, written in inline PTX
+  (`_planes_asm`, the default) or in jnp ops (`_plane_to_f16`, ``int_to_float="exponent"``,
+  which Mosaic lowers to about twice the instructions).
   Scales and zero points are applied per token row afterwards
   (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5).
 * **Softmax over the token axis** (axis 0 of the accumulator: a cross-warp reduction), base 2,
