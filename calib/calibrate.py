@@ -111,7 +111,7 @@ class CalibrateConfig:
         allocation.DEFAULT_META, "scale/zero encodings it chooses from (float16, uint8, ...)"
     )
     allocation_objective: str = cli.option(
-        "attention",
+        "kl_scaled",
         "what the allocation minimises, summed over (layer, K/V): attention = the layer's "
         "relative attention-output error; kl = the model's next-token KL to full precision "
         "with only that cache quantized, measured at every format (one forward per cache and "

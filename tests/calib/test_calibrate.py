@@ -212,9 +212,11 @@ def test_bit_allocation_is_stored_with_the_transforms(tiny_dir, text_file, tmp_p
 
     # head_dim 32: 2 bits with 8-bit scale/zero is 2.5 BPE, float16 3.0
     with pytest.raises(ValueError, match="--bpe-budget 2.4: below the cheapest"):
-        cal.main(_cfg(tiny_dir, text_file, tmp_path / "bad", methods=("wush",), bpe_budget=2.4))
+        cal.main(_cfg(tiny_dir, text_file, tmp_path / "bad", methods=("wush",), bpe_budget=2.4,
+                      allocation_objective="attention"))  # fmt: skip
     assert not (tmp_path / "bad" / "stats.npz").exists()  # refused before the statistics
-    cal.main(_cfg(tiny_dir, text_file, tmp_path, methods=("wush",), bpe_budget=3.0))
+    cal.main(_cfg(tiny_dir, text_file, tmp_path, methods=("wush",), bpe_budget=3.0,
+                  allocation_objective="attention"))  # fmt: skip
     meta = read_metadata(tmp_path / "wush")
     alloc = load_allocation(tmp_path / "wush")
     assert len(alloc.layers) == 2 and alloc.budget == 3.0 and alloc.bpe(32) <= 3.0
