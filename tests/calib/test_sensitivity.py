@@ -182,7 +182,8 @@ def test_cli_names_the_bad_objective(capsys):
         cli.run(cal.main, cal.parse_args, ["--allocation-objective", "nope"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.splitlines()[0] == "error: --allocation-objective 'nope': one of attention, kl, kl_scaled"
+    want = "error: --allocation-objective 'nope': one of attention, kl, kl_scaled"
+    assert err.splitlines()[0] == want
 
 
 def test_calibrate_stores_the_kl_allocation(lm, tmp_path, monkeypatch):
