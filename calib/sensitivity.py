@@ -82,13 +82,21 @@ class SingleCacheQuant:
 
         def quantized(q, k, v):
             q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-            is_k = self.target % 2 == 0
-            k_hat = jnp.where(
-                is_k, errors.roundtrip(k, self.a_k[layer], self.b_k[layer], self.qc,
-                                       self.clip_k[layer]), k)  # fmt: skip
-            v_hat = jnp.where(
-                is_k, v, errors.roundtrip(v, self.a_v[layer], self.b_v[layer], self.qc,
-                                          self.clip_v[layer]))  # fmt: skip
+
+            # Only the target cache is read back from low-bit storage (one roundtrip, not two).
+            def keys_low(k, v):
+                kq = errors.roundtrip(
+                    k, self.a_k[layer], self.b_k[layer], self.qc, self.clip_k[layer]
+                )
+                return kq, v
+
+            def values_low(k, v):
+                vq = errors.roundtrip(
+                    v, self.a_v[layer], self.b_v[layer], self.qc, self.clip_v[layer]
+                )
+                return k, vq
+
+            k_hat, v_hat = jax.lax.cond(self.target % 2 == 0, keys_low, values_low, k, v)
             q_end = self.windows.quant_end(positions)  # [B, T]: tokens stored before t
             s_pos = positions[:, None, :]
             low = (s_pos >= self.windows.sink) & (s_pos < q_end[:, :, None]) & mask
@@ -150,8 +158,10 @@ def kl_bit_errors(
         )
     n_layers = lm.cfg.num_layers
     graphdef, params = nnx.split(lm.model)
-    stack = lambda name: jnp.asarray(np.stack([getattr(p, name) for p in pairs]), jnp.float32)  # noqa
-    a_k, b_k, a_v, b_v = (stack(n) for n in ("A_K", "B_K", "A_V", "B_V"))
+    a_k, b_k, a_v, b_v = (
+        jnp.asarray(np.stack([getattr(p, name) for p in pairs]), jnp.float32)
+        for name in ("A_K", "B_K", "A_V", "B_V")
+    )
     layer_windows = tuple(lm.cfg.layer_windows)
 
     @jax.jit
