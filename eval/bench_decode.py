@@ -440,6 +440,10 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_meta_uint8": (2, {}, dict(meta_dtype="uint8")),
     "int2k_int4v": (2, dict(bits_v=4), {}),
     "int4k_int2v": (4, dict(bits_v=2), {}),
+    # The same on the Mosaic GPU body (dims values, 128-token pages).
+    "int2_mosaic_vdims_meta_uint8": (2, _MOSAIC_DIMS, dict(lowbit_page_size=128, meta_dtype="uint8")),
+    "int2k_int4v_mosaic_vdims": (2, dict(_MOSAIC_DIMS, bits_v=4), dict(lowbit_page_size=128)),
+    "int4k_int2v_mosaic_vdims": (4, dict(_MOSAIC_DIMS, bits_v=2), dict(lowbit_page_size=128)),
     # Stages left out.
     "int2_no_transforms": (2, {}, dict(query_transform=None, value_inverse=None)),
     "int2_fp_segment_only": (2, {}, dict(lowbit_len=0)),

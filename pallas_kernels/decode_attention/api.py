@@ -267,14 +267,6 @@ def decode_attention_variant(
     bits_v = bits if bits_v is None else bits_v
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
-    if backend == "gpu_mosaic" and (
-        bits_v != bits or jnp.uint8 in (k_scale.dtype, k_zero.dtype, v_scale.dtype, v_zero.dtype)
-    ):
-        raise ValueError(
-            f"backend='gpu_mosaic' takes one width for keys and values and float scale/zero "
-            f"(got bits={bits}, bits_v={bits_v}, k_scale {k_scale.dtype}, v_scale "
-            f"{v_scale.dtype}); use backend='gpu'"
-        )
     mod = _backend_module(backend)
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(backend, bits, bits_v)

@@ -52,8 +52,6 @@ def _validate(q, fp, lowbit, transforms, *, bits, value_layout="tokens", bits_v=
     bits_v = bits if bits_v is None else bits_v
     if bits_v not in layout.SUPPORTED_BITS:
         raise ValueError(f"bits_v={bits_v!r} must be one of {layout.SUPPORTED_BITS}")
-    if bits_v != bits and value_layout != "tokens":
-        raise ValueError(f"bits_v={bits_v} != bits={bits} needs value_layout='tokens'")
     m = layout.packed_dim(d, bits)
     # Low-bit pages may hold more tokens than full-precision ones (the Mosaic GPU body reads
     # whole 64-token tiles); the Triton and TPU bodies need equal sizes (`_check_kernel_shapes`).
@@ -67,7 +65,7 @@ def _validate(q, fp, lowbit, transforms, *, bits, value_layout="tokens", bits_v=
     if value_layout == "tokens":
         v_want = (*k_codes.shape[:3], layout.packed_dim(d, bits_v))
     else:
-        n = layout.codes_per_byte(bits)
+        n = layout.codes_per_byte(bits_v)
         if page_lowbit % n:
             raise ValueError(f"low-bit page size {page_lowbit} must be a multiple of {n}")
         v_want = (p_low, hkv, d, page_lowbit // n)

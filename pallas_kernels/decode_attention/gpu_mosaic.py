@@ -184,8 +184,9 @@ def _kernel(
     bar_in,
     bars,
     *,
-    n: int,
-    bits: int,
+    k_bits: int,
+    v_bits: int,
+    meta_u8: bool,
     page: int,
     pages_per_split: int,
     tile: int,
@@ -194,14 +195,14 @@ def _kernel(
     code_copy: str,
     asm: bool,
 ):
-    # k [STAGES, tile, W]; v [STAGES, tile, W] or [STAGES, d, tile / n]; meta
-    # f16[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
+    # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
+    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
     (k_smem, v_smem, meta_smem, p_smem), out_smem = ring
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
     si = lax.axis_index("s")
-    width = q_smem.shape[-1]
-    d = n * width
+    d = q_smem.shape[0] * q_smem.shape[-1]
+    v_width = d // layout.codes_per_byte(v_bits)
     tiles_per_page = page // tile
     plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, h], qsum_smem, bar_in.at[0])
@@ -245,14 +246,22 @@ def _kernel(
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
 
-    def planes(tile_ref):
+    def planes(tile_ref, bits):
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
         if asm:
             return _planes_asm(w, bits)
+        n = layout.codes_per_byte(bits)
         return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
 
-    def meta(r, slot):
-        return plgpu.load(meta_smem.at[r, slot], (), layout=row).astype(jnp.float32)
+    def meta(r, slot):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero
+        stored = plgpu.load(meta_smem.at[r, slot], (), layout=row)
+        if not meta_u8:
+            return stored.astype(jnp.float32)
+        # The 8-bit encoding decodes with integer ops and a bitcast (layout.py): the same
+        # float32 the reference reconstructs.
+        if r % 2 == 0:
+            return layout.decode_scale(stored)
+        return layout.decode_zero(stored, k_bits if r < 2 else v_bits)
 
     def step(i, carry):
         acc, m_i, l_i, zc = carry
@@ -268,7 +277,7 @@ def _kernel(
             return carry
 
         def keys(acc_ref):
-            for p, plane in enumerate(planes(k_smem.at[slot])):
+            for p, plane in enumerate(planes(k_smem.at[slot], k_bits)):
                 plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
             plgpu.wgmma_wait(0)
             return acc_ref[...]
@@ -295,17 +304,17 @@ def _kernel(
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
             # but the probabilities.
-            v_planes = planes(v_smem.at[slot])
+            v_planes = planes(v_smem.at[slot], v_bits)
         else:
-            for c, plane in enumerate(planes(v_smem.at[slot])):
-                v16_smem.at[:, pl.ds(c * width, width)][...] = plane
+            for c, plane in enumerate(planes(v_smem.at[slot], v_bits)):
+                v16_smem.at[:, pl.ds(c * v_width, v_width)][...] = plane
         p_smem[...] = pv.astype(jnp.float16)
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
         acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
 
         def values(acc_ref):
             if value_layout == "dims":
-                kb = tile // n
+                kb = tile // len(v_planes)
                 for c, plane in enumerate(v_planes):
                     plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
             else:
@@ -342,6 +351,7 @@ def lowbit_partials(
     bits: int,
     scale_log2: float,
     group: int,
+    bits_v: int | None = None,
     stage: str = "full",
     value_layout: str = "tokens",
     auto_barriers: bool = False,
@@ -351,18 +361,30 @@ def lowbit_partials(
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
     ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
-    and denominator, as the Triton body returns them.
+    and denominator, as the Triton body returns them. ``bits`` is the keys' width, ``bits_v``
+    the values' (default: the same); scale/zero may be float16 or the 8-bit encoding
+    (`layout.META_U8`, decoded in the kernel; 128-token pages).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
+    bits_v = bits if bits_v is None else bits_v
     n = layout.codes_per_byte(bits)
     width = d // n
     page = kc.shape[2]
     s, pps = tab.shape[1], tab.shape[2]
-    if not supports(
-        head_dim=d, bits=bits, group_size=d // ks.shape[-1], group=group, page_size=page
-    ):
-        raise ValueError(f"unsupported by the Mosaic GPU body: {d=} {bits=} {page=} {group=}")
+    for name, w in (("bits", bits), ("bits_v", bits_v)):
+        if not supports(
+            head_dim=d, bits=w, group_size=d // ks.shape[-1], group=group, page_size=page
+        ):
+            raise ValueError(f"unsupported by the Mosaic GPU body: {d=} {name}={w} {page=} {group=}")
+    meta_dtypes = {a.dtype for a in (ks, kz, vs, vz)}
+    meta_u8 = jnp.dtype(jnp.uint8) in meta_dtypes
+    if meta_u8 and (len(meta_dtypes) > 1 or page % MAX_TILE):
+        # A tile's metadata row is one TMA copy of a multiple of 128 bytes.
+        raise ValueError(
+            f"8-bit scale/zero needs all four in uint8 and {MAX_TILE}-token pages, got "
+            f"{sorted(str(t) for t in meta_dtypes)} and {page=}"
+        )
     if stage not in STAGES_KINDS:
         raise ValueError(f"stage={stage!r} must be one of {STAGES_KINDS}")
     if code_copy not in CODE_COPIES:
@@ -382,11 +404,13 @@ def lowbit_partials(
     tab_ext = jnp.zeros((b, s, row), jnp.int32).at[:, :, :pps].set(tab).at[:, :, pps].set(count)
     tab_ext = tab_ext.reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
     metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
-    if any(a.dtype != jnp.float16 for a in metas):
-        metas = [a.astype(jnp.float16) for a in metas]
+    meta_dtype = jnp.uint8 if meta_u8 else jnp.float16
+    if any(a.dtype != meta_dtype for a in metas):
+        metas = [a.astype(meta_dtype) for a in metas]
 
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
-    v_cols = tile // n if value_layout == "dims" else width
+    n_v = layout.codes_per_byte(bits_v)
+    v_cols = tile // n_v if value_layout == "dims" else d // n_v
     if code_copy == "bulk" and (width, v_cols) != (32, 32):
         # jax 0.10.2 finds no bank-conflict-free register load of wider unswizzled rows
         # (0.11.2 ran 64-byte rows correctly in run 42; 32-byte rows are what was timed).
@@ -399,15 +423,16 @@ def lowbit_partials(
         return plgpu.SMEM((STAGES, rows, cols), jnp.uint8, transforms=tf)
 
     if value_layout == "dims":
-        v_smem = code_tiles(d, tile // n)
+        v_smem = code_tiles(d, v_cols)
         v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
     else:
-        v_smem = code_tiles(tile, width)
+        v_smem = code_tiles(tile, v_cols)
         v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
     kernel = functools.partial(
         _kernel,
-        n=n,
-        bits=bits,
+        k_bits=bits,
+        v_bits=bits_v,
+        meta_u8=meta_u8,
         page=page,
         pages_per_split=pps,
         tile=tile,
@@ -428,7 +453,7 @@ def lowbit_partials(
         (
             code_tiles(tile, width),
             v_smem,
-            plgpu.SMEM((4, STAGES, tile), jnp.float16),
+            plgpu.SMEM((4, STAGES, tile), meta_dtype),
             plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
         ),
         plgpu.SMEM((d, GROUP_PAD), jnp.float32),
@@ -514,6 +539,7 @@ def paged_decode(
         qg,
         lowbit_set,
         bits=cfg.bits,
+        bits_v=cfg.value_bits,
         scale_log2=cfg.scale_log2,
         group=group,
         value_layout=cfg.value_layout,

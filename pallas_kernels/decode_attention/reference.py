@@ -114,7 +114,7 @@ def ref_decode_attention(
     bits_v = bits if bits_v is None else bits_v
     if value_layout == "dims":  # to the token-major packing of keys (same codes)
         v_codes = layout.pack_codes(
-            layout.unpack_value_page_dims_major(v_codes, bits, dims["page_lowbit"]), bits
+            layout.unpack_value_page_dims_major(v_codes, bits_v, dims["page_lowbit"]), bits_v
         )
     qf = _apply_transforms_ref(q, query_transform, dims["hkv"])
     kf = _gather_pages(fp.k, fp.table).astype(jnp.float32)

@@ -230,13 +230,12 @@ SLOW_CASES = [
 ]
 
 
-def test_mosaic_refuses_mixed_widths_and_u8_metadata():
-    for c in (Case(bits=2, bits_v=4), Case(meta_dtype="uint8")):
-        x = make_inputs(c)
-        with pytest.raises(ValueError, match="gpu_mosaic"):
-            da.decode_attention(
-                **x, bits=2, bits_v=c.bits_v, sm_scale=0.125, backend="gpu_mosaic", interpret=True
-            )
+def test_mosaic_u8_metadata_needs_128_token_pages():
+    x = make_inputs(Case(head_dim=128, meta_dtype="uint8", lowbit_page=64, lowbit_lens=(64, 0)))
+    with pytest.raises(ValueError, match="8-bit scale/zero needs .* page=64"):
+        da.decode_attention_variant(
+            **x, bits=2, sm_scale=0.125, backend="gpu_mosaic", pages_per_block=1
+        )
 
 
 def test_value_codes_must_match_bits_v():
@@ -497,6 +496,29 @@ MOSAIC_CASES = (
             num_splits=None,
         ),  # automatic splits
     ]
+    + [
+        Case(
+            batch=2,
+            kv_heads=hkv,
+            group=g,
+            head_dim=d,
+            bits=bits,
+            bits_v=bits_v,
+            meta_dtype=meta,
+            page=16,
+            lowbit_page=128,
+            value_layout=vl,
+            num_splits=3,
+            pages_per_block=1,
+            fp_lens=(35, 16),
+            lowbit_lens=(3 * 128 + 48, 128 + 16),
+        )
+        for hkv, g in ((2, 4), (1, 1))
+        for d in (128, 256)
+        for bits, bits_v, meta in ((2, 4, "float16"), (4, 2, "uint8"), (2, 2, "uint8"))
+        for vl in ("dims", "tokens")
+        if not (d == 256 and 4 in (bits, bits_v))  # 128-byte code rows: not supported
+    ]  # a bit allocation's layers: key and value widths differ; 8-bit scale/zero
 )
 
 
@@ -510,7 +532,12 @@ class TestDecodeAttentionMosaic:
     @pytest.mark.parametrize("case", MOSAIC_CASES, ids=str)
     def test_matches_reference(self, case: Case):
         x = make_inputs(case, seed=2)
-        kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5, value_layout=case.value_layout)
+        kw = dict(
+            bits=case.bits,
+            bits_v=case.bits_v,
+            sm_scale=case.head_dim**-0.5,
+            value_layout=case.value_layout,
+        )
         ref = da.ref_decode_attention(**x, **kw)
         out = da.decode_attention_variant(
             **x,
@@ -537,6 +564,9 @@ _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
 _JNP_UNPACK_CASES = [c for c in MOSAIC_CASES if c.int_to_float == "exponent"]
 
 
+_ALLOCATION_CASES = [c for c in MOSAIC_CASES if c.bits_v is not None or c.meta_dtype == "uint8"]
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -546,6 +576,10 @@ _JNP_UNPACK_CASES = [c for c in MOSAIC_CASES if c.int_to_float == "exponent"]
         _BULK_CASES[0],
         _JNP_UNPACK_CASES[1],
         _JNP_UNPACK_CASES[-2],
+        _ALLOCATION_CASES[0],
+        _ALLOCATION_CASES[3],
+        _ALLOCATION_CASES[5],
+        _ALLOCATION_CASES[6],
     ],
     ids=str,
 )
@@ -557,6 +591,7 @@ def test_mosaic_kernel_lowers_for_cuda(case: Case):
         return da.decode_attention_variant(
             **x,
             bits=case.bits,
+            bits_v=case.bits_v,
             sm_scale=0.1,
             backend="gpu_mosaic",
             value_layout=case.value_layout,
@@ -568,16 +603,22 @@ def test_mosaic_kernel_lowers_for_cuda(case: Case):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_reference_reads_dims_major_value_pages(bits: int):
+@pytest.mark.parametrize("bits, bits_v", [(2, None), (4, None), (2, 4), (4, 2)])
+def test_reference_reads_dims_major_value_pages(bits: int, bits_v: int | None):
     """The dimension-major value layout holds the same codes: the reference gives the
     identical result (it repacks them to the token-major layout, then runs the same ops)."""
     c = Case(
-        head_dim=64, bits=bits, page=16, lowbit_page=128, lowbit_lens=(256, 144), fp_lens=(20, 3)
+        head_dim=64,
+        bits=bits,
+        bits_v=bits_v,
+        page=16,
+        lowbit_page=128,
+        lowbit_lens=(256, 144),
+        fp_lens=(20, 3),
     )
     x_tok = make_inputs(c)
     x_dims = make_inputs(dataclasses.replace(c, value_layout="dims"))
-    kw = dict(bits=bits, sm_scale=0.125)
+    kw = dict(bits=bits, bits_v=bits_v, sm_scale=0.125)
     want = da.ref_decode_attention(**x_tok, **kw)
     got = da.ref_decode_attention(**x_dims, **kw, value_layout="dims")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
