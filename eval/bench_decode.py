@@ -229,19 +229,22 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
     segment or merge), 2 bits, dimension-major value pages (128 tokens): computing
-    everything, keys only (no value product), nothing but the TMA ring (loads only), or the
-    ring without the four metadata copies per step (loads_codes: what the copy count costs);
-    and everything with token-major values (64-token pages)."""
+    everything, keys only (no value product) or nothing but the TMA ring (loads only); with
+    the MMAs overlapped with the next unpack (`gpu_mosaic.OVERLAPS`); and everything with
+    token-major values (64-token pages)."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    runs = [(128, "dims", st, "tma", "asm") for st in gm.STAGES_KINDS]
-    runs += [(128, "dims", "full", "tma", "exponent")]  # the unpack in jnp ops
-    runs += [(64, "tokens", "full", "tma", "asm")]
+    # (page, value layout, stage, code copies, overlap): session 12's rows of the jnp unpack
+    # and the metadata-less ring are in BENCHMARKS.md.
+    runs = [(128, "dims", st, "tma", "none") for st in ("full", "keys", "loads")]
+    runs += [(128, "dims", "full", "tma", ov) for ov in ("values", "keys")]
+    runs += [(64, "tokens", "full", "tma", ov) for ov in ("none", "values")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", st, "bulk", "asm") for st in ("full", "loads")]
+    runs += [(128, "dims", st, "bulk", ov) for st, ov in (("full", "none"), ("loads", "none"))]
+    runs += [(128, "dims", "full", "bulk", ov) for ov in ("values", "keys")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -255,9 +258,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, unpack in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy, overlap in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy, unpack=unpack):
+            def call(c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -267,12 +270,12 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     stage=stage,
                     value_layout=vl,
                     code_copy=copy,
-                    int_to_float=unpack,
+                    overlap=overlap,
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             name += "_bulk" if copy == "bulk" else ""
-            name += "_exponent" if unpack == "exponent" else ""
+            name += f"_overlap_{overlap}" if overlap != "none" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -441,7 +444,11 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2k_int4v": (2, dict(bits_v=4), {}),
     "int4k_int2v": (4, dict(bits_v=2), {}),
     # The same on the Mosaic GPU body (dims values, 128-token pages).
-    "int2_mosaic_vdims_meta_uint8": (2, _MOSAIC_DIMS, dict(lowbit_page_size=128, meta_dtype="uint8")),
+    "int2_mosaic_vdims_meta_uint8": (
+        2,
+        _MOSAIC_DIMS,
+        dict(lowbit_page_size=128, meta_dtype="uint8"),
+    ),
     "int2k_int4v_mosaic_vdims": (2, dict(_MOSAIC_DIMS, bits_v=4), dict(lowbit_page_size=128)),
     "int4k_int2v_mosaic_vdims": (4, dict(_MOSAIC_DIMS, bits_v=2), dict(lowbit_page_size=128)),
     # Stages left out.

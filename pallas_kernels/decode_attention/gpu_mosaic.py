@@ -70,6 +70,10 @@ STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a s
 # of 32-byte rows); "bulk" is one `cp.async.bulk` of the tile's contiguous bytes into an
 # unswizzled tile (a [page, d/n] code tile is contiguous in the pool).
 CODE_COPIES = ("tma", "bulk")
+# What runs under the MMAs in flight: "none" waits after each product; "values" leaves a
+# step's value MMAs in flight over the next step's loads, key unpack and key MMAs; "keys"
+# unpacks the value planes while the key MMAs run.
+OVERLAPS = ("none", "values", "keys")
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
@@ -194,6 +198,7 @@ def _kernel(
     value_layout: str,
     code_copy: str,
     asm: bool,
+    overlap: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
     # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
@@ -263,8 +268,8 @@ def _kernel(
             return layout.decode_scale(stored)
         return layout.decode_zero(stored, k_bits if r < 2 else v_bits)
 
-    def step(i, carry):
-        acc, m_i, l_i, zc = carry
+    def step(i, carry, acc_ref):
+        m_i, l_i, zc = carry
         slot = lax.rem(i, STAGES)
         nxt = i + STAGES - 1
 
@@ -276,13 +281,16 @@ def _kernel(
         if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
             return carry
 
+        early_values = overlap == "keys" and value_layout == "dims" and stage == "full"
+
         def keys(acc_ref):
             for p, plane in enumerate(planes(k_smem.at[slot], k_bits)):
                 plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc_ref[...]
+            # overlap="keys": the value planes are unpacked while the key MMAs run.
+            vp = planes(v_smem.at[slot], v_bits) if early_values else None
+            return acc_ref[...], vp
 
-        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
+        raw, early_planes = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = meta(0, slot), meta(1, slot)
         logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
         tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
@@ -299,39 +307,42 @@ def _kernel(
         l_i = l_i * bcast_col(alpha) + p
         zc = zc * bcast_col(alpha) + pvz
         if stage == "keys":  # no value product
-            return acc, m_new, l_i, zc
+            return m_new, l_i, zc
         if value_layout == "dims":
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
             # but the probabilities.
-            v_planes = planes(v_smem.at[slot], v_bits)
+            v_planes = early_planes if early_values else planes(v_smem.at[slot], v_bits)
         else:
             for c, plane in enumerate(planes(v_smem.at[slot], v_bits)):
                 v16_smem.at[:, pl.ds(c * v_width, v_width)][...] = plane
         p_smem[...] = pv.astype(jnp.float16)
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
-        acc = acc * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
-
-        def values(acc_ref):
-            if value_layout == "dims":
-                kb = tile // len(v_planes)
-                for c, plane in enumerate(v_planes):
-                    plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
-            else:
-                plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
+        # Reading the accumulator waits for every MMA in flight: with overlap="values" the
+        # previous step's value MMAs ran under this step's loads, key unpack and key MMAs.
+        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
+        if value_layout == "dims":
+            kb = tile // len(v_planes)
+            for c, plane in enumerate(v_planes):
+                plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
+        else:
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
+        if overlap != "values":
             plgpu.wgmma_wait(0)
-
-        acc = pl.run_state(values)(plgpu.ACC.init(acc))
-        return acc, m_new, l_i, zc
+        return m_new, l_i, zc
 
     wgmma_layout = plgpu.Layout.WGMMA
     carry = (
-        plgpu.layout_cast(jnp.zeros((d, GROUP_PAD), jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.full((GROUP_PAD,), da.NEG_INF, jnp.float32), col),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
     )
-    acc, m_i, l_i, zc = lax.fori_loop(0, n_steps, step, carry)
+
+    def loop(acc_ref):  # the value accumulator stays an MMA accumulator across steps
+        out = lax.fori_loop(0, n_steps, functools.partial(step, acc_ref=acc_ref), carry)
+        return acc_ref[...], *out
+
+    acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, GROUP_PAD), jnp.float32))
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
     out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, GROUP_PAD), [1])
@@ -357,6 +368,7 @@ def lowbit_partials(
     auto_barriers: bool = False,
     code_copy: str = "tma",
     int_to_float: str = "asm",
+    overlap: str = "none",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
@@ -376,7 +388,9 @@ def lowbit_partials(
         if not supports(
             head_dim=d, bits=w, group_size=d // ks.shape[-1], group=group, page_size=page
         ):
-            raise ValueError(f"unsupported by the Mosaic GPU body: {d=} {name}={w} {page=} {group=}")
+            raise ValueError(
+                f"unsupported by the Mosaic GPU body: {d=} {name}={w} {page=} {group=}"
+            )
     meta_dtypes = {a.dtype for a in (ks, kz, vs, vz)}
     meta_u8 = jnp.dtype(jnp.uint8) in meta_dtypes
     if meta_u8 and (len(meta_dtypes) > 1 or page % MAX_TILE):
@@ -391,6 +405,8 @@ def lowbit_partials(
         raise ValueError(f"code_copy={code_copy!r} must be one of {CODE_COPIES}")
     if int_to_float not in INT_TO_FLOAT:
         raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
@@ -440,6 +456,7 @@ def lowbit_partials(
         value_layout=value_layout,
         code_copy=code_copy,
         asm=int_to_float == "asm",
+        overlap=overlap,
     )
     # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
     # step). Safe here: a slot is refilled only in the step after its last reads, and every

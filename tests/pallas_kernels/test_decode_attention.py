@@ -10,6 +10,7 @@ runs the same cases on CPU through the Pallas interpreter, for both backend bodi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -556,6 +557,53 @@ class TestDecodeAttentionMosaic:
 
 
 _DIMS_CASES = [c for c in MOSAIC_CASES if c.value_layout == "dims"]
+
+
+_OVERLAP_CASES = [
+    Case(batch=2, kv_heads=2, group=4, head_dim=128, bits=2, page=16, lowbit_page=128,
+         value_layout="dims", fp_lens=(35, 16), lowbit_lens=(3 * 128 + 48, 128 + 16)),
+    Case(batch=2, kv_heads=1, group=1, head_dim=256, bits=2, page=16, lowbit_page=128,
+         value_layout="dims", meta_dtype="uint8", fp_lens=(3, 16), lowbit_lens=(640, 16)),
+    Case(batch=2, kv_heads=2, group=8, head_dim=128, bits=4, bits_v=2, page=16,
+         lowbit_page=64, fp_lens=(35, 16), lowbit_lens=(5 * 64 + 48, 64 + 16)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", ["values", "keys"])
+@pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
+def test_mosaic_overlapped_mmas_match_the_serial_step(case: Case, overlap: str):
+    _check_overlap(case, overlap, run=True)
+
+
+@pytest.mark.parametrize("overlap", ["values", "keys"])
+def test_mosaic_overlapped_mmas_lower_for_cuda(overlap: str):
+    _check_overlap(_OVERLAP_CASES[0], overlap, run=False)
+
+
+def _check_overlap(case: Case, overlap: str, *, run: bool):
+    """The Mosaic body's overlapped MMA schedules give the serial schedule's split partials
+    (the same operations; only where the warpgroup waits for its MMAs moves)."""
+    if run and not _has_gpu():
+        pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    x = make_inputs(case, seed=3)
+    low = x["lowbit"]
+    (kc, ks, kz), (vc, vs, vz) = low.k, low.v
+    tab = da_api._split_table(low.table, 3, 1)
+    lowbit_set = (kc, vc, ks, kz, vs, vz, tab, low.length)
+    qg = x["q"].reshape(case.batch, case.kv_heads, case.group, case.head_dim)
+    kw = dict(bits=case.bits, bits_v=case.bits_v, scale_log2=0.1, group=case.group,
+              value_layout=case.value_layout)  # fmt: skip
+    if not run:
+        f = functools.partial(gm.lowbit_partials, **kw, overlap=overlap)
+        lowered = jax.jit(f).trace(qg, lowbit_set).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+        return
+    want = gm.lowbit_partials(qg, lowbit_set, **kw)
+    got = gm.lowbit_partials(qg, lowbit_set, **kw, overlap=overlap)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
 _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
