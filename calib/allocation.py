@@ -12,15 +12,25 @@ relaxation, which can leave budget on the table between hull points.
 The glue (`allocate`) turns a budget stated with `kvjax.cache.budget.cache_bpe`'s accounting
 (full-precision windows at a context length included) into the low-bit pages' share, and
 returns a `BitAllocation`.
+
+Only layers that hold low-bit pages take part (`lowbit_layers`): Gemma 3's sliding-window
+layers keep full precision in the cache (`CacheConfig.sliding_layers`), so a format chosen for
+them would never be stored, and counting them in the budget would let the global layers spend
+bits the sliding layers "saved". Such layers are left out of the knapsack and of the budget and
+carry the cheapest format as a placeholder the cache ignores; `lowbit_part` is the allocation
+of the layers that count, for bits per element and format counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvjax.cache.budget import BitAllocation, Format, lowbit_fraction
+from kvjax.cache.paged import CacheConfig
+from kvjax.config import ModelConfig
 
 DEFAULT_WIDTHS: tuple[int, ...] = (2, 3, 4)
 DEFAULT_META: tuple[str, ...] = ("float16", "uint8")
@@ -114,6 +124,22 @@ def check_budget(
         )
 
 
+def lowbit_layers(model_cfg: ModelConfig) -> tuple[bool, ...]:
+    """Per layer: whether it holds low-bit pages under the cache's default policy
+    (`CacheConfig.layer_policies`; False for Gemma 3's sliding-window layers)."""
+    return tuple(p.quant is not None for p in CacheConfig().layer_policies(model_cfg))
+
+
+def lowbit_part(alloc: BitAllocation, lowbit: Sequence[bool] | None) -> BitAllocation:
+    """`alloc` restricted to the layers that hold low-bit pages (all of them when None)."""
+    if lowbit is None or all(lowbit):
+        return alloc
+    if len(lowbit) != len(alloc.layers):
+        raise ValueError(f"lowbit has {len(lowbit)} layers, the allocation {len(alloc.layers)}")
+    layers = tuple(p for p, low in zip(alloc.layers, lowbit) if low)
+    return dataclasses.replace(alloc, layers=layers)
+
+
 def allocate(
     errors: dict[str, np.ndarray],  # format name -> f[L, 2] error of (layer, K/V)
     budget: float,
@@ -125,6 +151,7 @@ def allocate(
     keep: int = 256,
     flush: int = 16,
     fp_bits: int = 16,
+    lowbit: Sequence[bool] | None = None,
 ) -> BitAllocation:
     """The formats of `errors` per (layer, K/V) minimising their summed error under `budget`.
 
@@ -135,6 +162,9 @@ def allocate(
       head_dim, group_size: the cache's shapes (scale/zero cost per element).
       context, sink, keep, flush, fp_bits: the accounting of the budget; context None: the
         low-bit pages alone (long-context limit).
+      lowbit: per layer, whether it holds low-bit pages (`lowbit_layers`; None: all). The
+        budget is the average over those layers only; the others get the cheapest format as
+        an unused placeholder.
     """
     formats = [Format.parse(n) for n in errors]
     check_budget(budget, formats, head_dim, group_size, context=context, sink=sink, keep=keep,
@@ -142,10 +172,17 @@ def allocate(
     low = lowbit_budget(budget, context, sink, keep, flush, fp_bits)
     e = np.stack([np.asarray(errors[f.name], np.float64).reshape(-1) for f in formats], axis=1)
     n_slots = e.shape[0]
+    keep_layer = np.ones(n_slots // 2, bool) if lowbit is None else np.asarray(lowbit, bool)
+    if keep_layer.shape != (n_slots // 2,):
+        raise ValueError(f"lowbit has {keep_layer.size} layers, the errors {n_slots // 2}")
+    if not keep_layer.any():
+        raise ValueError("no layer holds low-bit pages: nothing to allocate")
+    used = np.repeat(keep_layer, 2)  # slot 2 l: layer l's keys, 2 l + 1: its values
     per_slot = np.asarray([f.bits_per_token(head_dim, group_size) for f in formats], np.int64)
     costs = np.broadcast_to(per_slot, e.shape).copy()
-    capacity = int(np.floor(low * head_dim * n_slots + 1e-6))
-    pick = allocate_core(e, costs, capacity)
+    capacity = int(np.floor(low * head_dim * int(used.sum()) + 1e-6))
+    pick = np.full(n_slots, int(np.argmin(per_slot)), np.int64)  # placeholder: the cheapest
+    pick[used] = allocate_core(e[used], costs[used], capacity)
     chosen = [formats[i] for i in pick]
     layers = tuple((chosen[2 * i], chosen[2 * i + 1]) for i in range(n_slots // 2))
     return BitAllocation(layers, budget=budget, context=context, sink=sink, keep=keep,

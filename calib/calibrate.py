@@ -482,9 +482,10 @@ def objective_errors(
     measure = formats if obj == "kl" else [ref]
     windows = held[:, : cfg.alloc_kl_tokens]
     t0 = time.perf_counter()
+    low = [i for i, b in enumerate(allocation.lowbit_layers(lm.cfg)) if b]  # others: no forward
     kl = sensitivity.kl_bit_errors(
         lm, windows, pairs, clips_by_bits, measure, cfg.alloc_kl_windows, cfg.group_size,
-        cfg.progress,
+        cfg.progress, layers=low,
     )  # fmt: skip
     info = dict(
         objective=obj,
@@ -500,7 +501,9 @@ def objective_errors(
     return sensitivity.scaled_errors(kl[ref.name], attention, ref.name), info
 
 
-def allocate_bits(cfg: CalibrateConfig, errs: dict, head_dim: int) -> BitAllocation:
+def allocate_bits(
+    cfg: CalibrateConfig, errs: dict, head_dim: int, lowbit: Sequence[bool] | None = None
+) -> BitAllocation:
     sink, keep, flush = cfg.bpe_windows
     return allocation.allocate(
         errs,
@@ -511,6 +514,7 @@ def allocate_bits(cfg: CalibrateConfig, errs: dict, head_dim: int) -> BitAllocat
         sink=sink,
         keep=keep,
         flush=flush,
+        lowbit=lowbit,
     )
 
 
@@ -648,7 +652,10 @@ def main(cfg: CalibrateConfig) -> dict:
             _phase(f"bit allocation: {method} at {cfg.bpe_budget} bits per element")
             attn = bit_errors(acts, pairs, clips_by_bits, w_o, cfg, sm)
             errs, how = objective_errors(cfg, lm, held, pairs, clips_by_bits, attn)
-            alloc = allocate_bits(cfg, errs, d)
+            # Layers without low-bit pages (Gemma 3's sliding layers) are outside the budget.
+            lowbit = allocation.lowbit_layers(lm.cfg)
+            how = dict(how, lowbit_layers=[i for i, b in enumerate(lowbit) if b])
+            alloc = allocate_bits(cfg, errs, d, lowbit)
             summary["methods"][method]["allocation"] = alloc.to_dict()
             summary["methods"][method]["allocation_objective"] = how
             summary["methods"][method]["bit_errors"] = {n: e.tolist() for n, e in errs.items()}
@@ -657,12 +664,17 @@ def main(cfg: CalibrateConfig) -> dict:
                     n: e.tolist() for n, e in attn.items()
                 }
             total = sum(
-                errs[f.name][i][j] for i, p in enumerate(alloc.layers) for j, f in enumerate(p)
+                errs[f.name][i][j]
+                for i, p in enumerate(alloc.layers)
+                if lowbit[i]
+                for j, f in enumerate(p)
             )
             where = f"{cfg.bpe_context} tokens" if cfg.bpe_context else "low-bit pages"
+            part = allocation.lowbit_part(alloc, lowbit)
             print(
-                f"{method}: allocation at {cfg.bpe_budget} BPE ({where}): {alloc.counts()}, "
-                f"{alloc.bpe(d, cfg.group_size):.4f} BPE, summed {cfg.allocation_objective} "
+                f"{method}: allocation at {cfg.bpe_budget} BPE ({where}): {part.counts()} "
+                f"({len(part.layers)} of {len(lowbit)} layers hold low-bit pages), "
+                f"{part.bpe(d, cfg.group_size):.4f} BPE, summed {cfg.allocation_objective} "
                 f"error {total:.4g}",
                 file=sys.stderr,
             )

@@ -133,6 +133,7 @@ def kl_bit_errors(
     cache_windows: tuple[int, int, int] = (16, 128, 16),
     group_size: int | None = None,
     progress: bool = True,
+    layers: Sequence[int] | None = None,
 ) -> dict[str, np.ndarray]:  # format name -> f64[L, 2] mean KL (nats per token)
     """Mean KL(p_fp || p_q) per (layer, K/V) with only that cache in each format.
 
@@ -144,6 +145,8 @@ def kl_bit_errors(
       formats: the allocation's candidate formats.
       cache_windows: sink, keep, flush of the simulated cache (full-precision windows).
       group_size: channels per scale/zero.
+      layers: the layers to measure (None: all); the others (layers that hold no low-bit
+        pages, `calib.allocation.lowbit_layers`) get 0 without a forward.
 
     Raises:
       ValueError: the windows are too short for any position to read a low-bit token.
@@ -157,6 +160,8 @@ def kl_bit_errors(
             f"no position reads a low-bit token"
         )
     n_layers = lm.cfg.num_layers
+    measured = range(n_layers) if layers is None else sorted(set(layers))
+    slots = [2 * i + j for i in measured for j in (0, 1)]
     graphdef, params = nnx.split(lm.model)
     a_k, b_k, a_v, b_v = (
         jnp.asarray(np.stack([getattr(p, name) for p in pairs]), jnp.float32)
@@ -180,13 +185,13 @@ def kl_bit_errors(
     refs = [reference(params, x) for x in tokens]
     out: dict[str, np.ndarray] = {}
     t0 = time.perf_counter()
-    done, total = 0, len(formats) * 2 * n_layers
+    done, total = 0, len(formats) * len(slots)
     for f in formats:
         qc = QuantConfig(method="oscar", bits=f.bits, group_size=group_size,
                          meta_dtype=f.meta_dtype)  # fmt: skip
         ck, cv = clips_by_bits[f.bits]
         e = np.zeros((n_layers, 2))
-        for s in range(2 * n_layers):
+        for s in slots:
             vals = []
             for x, ref in zip(tokens, refs):
                 cache = SingleCacheQuant(

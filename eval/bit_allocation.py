@@ -112,6 +112,8 @@ def compare(lp_a: np.ndarray, lp_b: np.ndarray, fp_lp: np.ndarray) -> dict:
 
 
 def _bpe_fields(alloc: BitAllocation, head_dim: int, cfg: BitAllocationConfig) -> dict:
+    """Bits per element of `alloc` (pass the layers that hold low-bit pages only,
+    `allocation.lowbit_part`)."""
     sink, keep, flush = cfg.protocol
     return dict(
         bpe_lowbit=alloc.bpe(head_dim, context=None),
@@ -130,6 +132,9 @@ def main(cfg: BitAllocationConfig) -> dict:
         text = assets.load_text(cfg.data)
     lm = load_model(cfg.model)
     d, n_layers = lm.cfg.head_dim, lm.cfg.num_layers
+    # Layers without low-bit pages (Gemma 3's sliding layers keep full precision) are outside
+    # the budget, the bits per element and the format counts.
+    lowbit = allocation.lowbit_layers(lm.cfg)
     # The stored allocation and the errors it came from (`kvjax.calibrate --bpe-budget`).
     _, stored, meta = common.load_allocated(cfg.calib_dir, cfg.method, lm.cfg, lm.fingerprint)
     errs = {k: np.asarray(v) for k, v in meta["bit_errors"].items()}
@@ -143,7 +148,7 @@ def main(cfg: BitAllocationConfig) -> dict:
     for u in cfg.uniform:
         settings.append((f"uniform {u}", BitAllocation.uniform(Format.parse(u), n_layers)))
     for b in cfg.budgets:
-        settings.append((f"allocated @ {b}", allocation.allocate(errs, b, d)))
+        settings.append((f"allocated @ {b}", allocation.allocate(errs, b, d, lowbit=lowbit)))
     if cfg.stored:
         settings.append((f"stored allocation @ {stored.budget}", stored))
 
@@ -171,19 +176,20 @@ def main(cfg: BitAllocationConfig) -> dict:
         lp = score(scorer, windows, ccfg, tf, pcfg)
         logprobs[name] = lp
         ppl = perplexity(lp)
-        errsum = sum(float(errs[f.name][i][j]) for i, p in enumerate(alloc.layers)
+        errsum = sum(float(errs[f.name][i][j]) for i, p in enumerate(alloc.layers) if lowbit[i]
                      for j, f in enumerate(p))  # fmt: skip
+        part = allocation.lowbit_part(alloc, lowbit)
         rows.append(
             dict(
                 name=name,
                 value=ppl,
                 rel_to_fp=ppl / fp - 1.0,
                 rel_to_fp_se=paired_change_se(lp, fp_lp),
-                formats=alloc.counts(),
+                formats=part.counts(),
                 allocation=alloc.to_dict(),
                 summed_calibration_error=errsum,
                 seconds=time.perf_counter() - t1,
-                **_bpe_fields(alloc, d, cfg),
+                **_bpe_fields(part, d, cfg),
             )
         )
         r = rows[-1]
@@ -205,6 +211,7 @@ def main(cfg: BitAllocationConfig) -> dict:
         eval="bit_allocation",
         config=dataclasses.asdict(cfg),
         model=common.model_info(lm),
+        lowbit_layers=[i for i, b in enumerate(lowbit) if b],
         environment=common.environment(),
         calibration=dict(
             dir=cfg.calib_dir,
@@ -268,6 +275,15 @@ def to_markdown(payload: dict, cfg: BitAllocationConfig) -> str:
         f"*protocol* = this evaluation's {payload['seq_len']}-token windows with {prot}; "
         "*32k serving* = 32,768 tokens with windows 64/256/16.\n",
     ]
+    low = payload.get("lowbit_layers")
+    n_layers = payload["model"].get("num_layers")
+    if low is not None and n_layers is not None and len(low) < n_layers:
+        lines.append(
+            f"Only layers {', '.join(map(str, low))} ({len(low)} of {n_layers}) hold low-bit "
+            "pages; the other (sliding-window) layers keep full precision and are outside the "
+            "budget, the bits per element and the cache counts below (their entries in "
+            "`rows[].allocation.layers` are placeholders the cache never uses).\n"
+        )
     table = []
     for r in rows[1:]:
         table.append(

@@ -53,3 +53,39 @@ def test_bad_budgets_are_refused_in_one_line(budget):
 def test_budget_below_the_windows_is_refused():
     with pytest.raises(ValueError, match="--bpe-budget 2.5: below the cheapest"):
         allocation.check_budget(2.5, [Format(2)], 64, context=2048, sink=16, keep=128)
+
+
+def test_layers_without_low_bit_pages_are_outside_the_budget():
+    # Gemma 3-like: layers 0-2 sliding (full precision in the cache), layer 3 global. At head_dim
+    # 64, 2b/float16 is 2.5 BPE, 2b/uint8 2.25, 4b/uint8 4.25. Counted over all 8 caches, the
+    # sliding caches' 2b/uint8 would leave 8 * 0.25 = 2 bits, one 4-bit upgrade of layer 3:
+    # bits the global layer never had. Over its own 2 caches 2.5 BPE buys 2b/float16 only.
+    base = np.full((4, 2), 1.0)
+    base[3] = 10.0
+    errs = {"2b/float16": base, "2b/uint8": 1.1 * base, "4b/uint8": 0.05 * base}
+    everywhere = allocation.allocate(errs, 2.5, 64)
+    assert Format(4, "uint8") in everywhere.layers[3]  # what the old accounting bought
+    lowbit = (False, False, False, True)
+    alloc = allocation.allocate(errs, 2.5, 64, lowbit=lowbit)
+    assert alloc.layers[3] == (Format(2), Format(2))
+    cheapest = (Format(2, "uint8"), Format(2, "uint8"))
+    assert alloc.layers[:3] == (cheapest,) * 3  # unused placeholders
+    part = allocation.lowbit_part(alloc, lowbit)
+    assert part.layers == (alloc.layers[3],) and part.bpe(64) <= 2.5 + 1e-9
+    assert part.counts() == {"2b/float16": 2}
+    assert allocation.lowbit_part(alloc, None) is alloc
+    with pytest.raises(ValueError, match="no layer holds low-bit pages"):
+        allocation.allocate(errs, 2.5, 64, lowbit=(False,) * 4)
+    with pytest.raises(ValueError, match="lowbit has 2 layers"):
+        allocation.allocate(errs, 2.5, 64, lowbit=(True, True))
+
+
+def test_lowbit_layers_follow_the_cache_policy():
+    from kvjax.config import ModelConfig
+
+    kw = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+              num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8)  # fmt: skip
+    assert allocation.lowbit_layers(ModelConfig(**kw)) == (True, True, True)
+    types = ("sliding_attention", "full_attention", "sliding_attention")
+    cfg = ModelConfig(**kw, layer_types=types, sliding_window=16)
+    assert allocation.lowbit_layers(cfg) == (False, True, False)

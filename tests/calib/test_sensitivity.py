@@ -209,3 +209,49 @@ def test_calibrate_stores_the_kl_allocation(lm, tmp_path, monkeypatch):
     # every format keeps the attention errors' proportions within a cache
     r = np.asarray(kl["4b/float16"]) * np.asarray(attn["2b/uint8"])
     np.testing.assert_allclose(r, np.asarray(kl["2b/uint8"]) * np.asarray(attn["4b/float16"]))
+
+
+def test_kl_errors_measure_only_the_given_layers(lm):
+    w = np.asarray(np.concatenate([_tokens(97, 1), _tokens(97, 2)]))
+    fmts = [Format(2, "uint8")]
+    full = sensitivity.kl_bit_errors(lm, w, _pairs(), _clips(), fmts, WINDOWS, progress=False)
+    one = sensitivity.kl_bit_errors(
+        lm, w, _pairs(), _clips(), fmts, WINDOWS, progress=False, layers=[1]
+    )
+    np.testing.assert_array_equal(one["2b/uint8"][0], [0.0, 0.0])
+    np.testing.assert_allclose(one["2b/uint8"][1], full["2b/uint8"][1], rtol=1e-6)
+
+
+def test_calibrate_allocates_only_layers_with_low_bit_pages(tmp_path, monkeypatch):
+    """A sliding-window model (Gemma 3's layout): the sliding layer keeps full precision in the
+    cache, so the budget is spent on, and counted over, the global layer alone."""
+    import dataclasses
+
+    from kvjax.storage import load_allocation, read_metadata
+
+    scfg = dataclasses.replace(
+        CFG, layer_types=("sliding_attention", "full_attention"), sliding_window=32
+    )
+    model = Transformer(scfg, rngs=nnx.Rngs(0))
+    slm = LoadedModel(model=model, tokenizer=ByteTokenizer(), cfg=scfg, fingerprint="tiny-swa",
+                      source="tiny-swa")  # fmt: skip
+    monkeypatch.setattr(cal, "load_model", lambda path: slm)
+    text = tmp_path / "calib.txt"
+    text.write_text(assets.load_play("tempest")[:20000])
+    # head_dim 16: 2b/uint8 is 3.0 BPE, 2b/float16 4.0, 3b/uint8 4.0, 4b/uint8 5.0
+    cfg = cal.CalibrateConfig(
+        data=str(text), methods=("wush",), tokens=256, seq_len=128, holdout=1, bits=(2,),
+        out=str(tmp_path / "o"), progress=False, bpe_budget=3.5,
+        allocation_objective="kl_scaled", alloc_kl_windows=WINDOWS,
+    )  # fmt: skip
+    cal.main(cfg)
+    meta = read_metadata(tmp_path / "o" / "wush")
+    alloc = load_allocation(tmp_path / "o" / "wush")
+    assert meta["allocation_objective"]["lowbit_layers"] == [1]
+    kl = np.asarray(meta["bit_errors"]["2b/uint8"])
+    assert np.all(kl[0] == 0.0) and np.all(kl[1] > 0)  # the sliding layer: no forward
+    part = allocation.lowbit_part(alloc, allocation.lowbit_layers(scfg))
+    assert part.bpe(CFG.head_dim) <= 3.5 + 1e-9  # over the global layer's caches alone
+    # 3.5 over the 2 caches that count: one 3b/uint8 (4.0) and one 2b/uint8 (3.0)
+    assert part.counts() == {"2b/uint8": 1, "3b/uint8": 1}
+    assert alloc.layers[0] == (Format(2, "uint8"),) * 2  # the sliding layer's placeholder
