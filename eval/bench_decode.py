@@ -240,18 +240,18 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # (page, value layout, stage, code copies, overlap): session 12's rows of the jnp unpack
     # and the metadata-less ring are in BENCHMARKS.md.
     runs = [(128, "dims", st, "tma", "none") for st in ("full", "keys", "loads")]
-    runs += [(128, "dims", "full", "tma", ov) for ov in ("values", "keys")]
+    runs += [(128, "dims", "full", "tma", "values")]
     runs += [(64, "tokens", "full", "tma", ov) for ov in ("none", "values")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
     runs += [(128, "dims", st, "bulk", ov) for st, ov in (("full", "none"), ("loads", "none"))]
-    runs += [(128, "dims", "full", "bulk", ov) for ov in ("values", "keys")]
+    runs += [(128, "dims", "full", "bulk", "values")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
             x = _make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.fold_in(key, r), page_q, vl)
             low = x["lowbit"]
             splits = da.lowbit_auto_splits(batch, cfg.kv_heads, low.table.shape[1], 1)
-            tab = da_api._split_table(low.table, splits, 1)
+            tab = da_api.split_table(low.table, splits, 1)
             (kc, ks, kz), (vc, vs, vz) = low.k, low.v
             caches.append(dict(ls=(kc, vc, ks, kz, vs, vz, tab, low.length)))
         qs = [
@@ -425,6 +425,22 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int4_mosaic_vdims_exponent": (
         4,
         dict(_MOSAIC_DIMS, int_to_float="exponent"),
+        dict(lowbit_page_size=128),
+    ),
+    # Split count of the dims body (splits_factor x the automatic choice).
+    "int2_mosaic_vdims_splits_quarter": (
+        2,
+        dict(_MOSAIC_DIMS, splits_factor=0.25),
+        dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_vdims_splits_half": (
+        2,
+        dict(_MOSAIC_DIMS, splits_factor=0.5),
+        dict(lowbit_page_size=128),
+    ),
+    "int2_mosaic_vdims_splits_x2": (
+        2,
+        dict(_MOSAIC_DIMS, splits_factor=2),
         dict(lowbit_page_size=128),
     ),
     "int2_mosaic_splits_x2": (

@@ -38,7 +38,7 @@ def run_split_once(stage: str, batch: int, ctx: int) -> None:
     low = x["lowbit"]
     splits = da.lowbit_auto_splits(batch, cfg.kv_heads, low.table.shape[1], 1)
     (kc, ks, kz), (vc, vs, vz) = low.k, low.v
-    ls = (kc, vc, ks, kz, vs, vz, api._split_table(low.table, splits, 1), low.length)
+    ls = (kc, vc, ks, kz, vs, vz, api.split_table(low.table, splits, 1), low.length)
     group = cfg.q_heads // cfg.kv_heads
     qg = jax.random.normal(jax.random.key(1), (batch, cfg.kv_heads, group, cfg.head_dim))
     f = jax.jit(

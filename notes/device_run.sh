@@ -3,7 +3,7 @@
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
 # steps: comma-separated from tests, mosaic, sweep, mixed, suite, bench, ncu (NCU_VARIANTS), ncumosaic
-# (NCU_MOSAIC_STAGES at NCU_POINT), kernels,
+# (NCU_MOSAIC_STAGES at NCU_POINT), kernels (KERNEL_VARIANTS at KERNEL_POINTS),
 # paged, engine. suite = the README's test command (CI subset) on the GPU machine, 8 workers.
 # sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
 # workers on the one GPU when pytest-xdist is there or its wheels were carried in .whl/.
@@ -95,10 +95,12 @@ fi
 if [[ $steps == *,kernels,* ]]; then
   # Every kernel of one decode-attention call (the last of two) with its duration: where the
   # fixed cost at batch 1 goes (prologue, split kernel, merge fusions, epilogue).
-  for pt in ${KERNEL_POINTS:-1x65536 8x131072}; do
-    timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum \
-      python3 notes/decode_kernel_once.py int2_pallas $pt > "$out/kernels_$pt.txt" 2>&1
-    echo "kernels $pt rc=$?" >> "$out/gpu.txt"
+  for v in ${KERNEL_VARIANTS:-int2_pallas}; do
+    for pt in ${KERNEL_POINTS:-1x65536 8x131072}; do
+      timeout 120 ncu --clock-control none --metrics gpu__time_duration.sum \
+        python3 notes/decode_kernel_once.py $v $pt > "$out/kernels_${v}_$pt.txt" 2>&1
+      echo "kernels $v $pt rc=$?" >> "$out/gpu.txt"
+    done
   done
 fi
 if [[ $steps == *,paged,* ]]; then

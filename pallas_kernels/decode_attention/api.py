@@ -48,6 +48,7 @@ from pallas_kernels.decode_attention.tiles import (
     BF16_PAGES_PER_BLOCK,
     LOG2E,
     DecodeConfig,
+    split_table,
 )
 
 # Programs to launch when choosing splits automatically (132 SMs on H200, a few resident
@@ -81,18 +82,6 @@ def default_pages_per_block(backend: str, bits: int, bits_v: int | None = None) 
 def lowbit_auto_splits(batch: int, hkv: int, max_pages: int, pages_per_block: int) -> int:
     """Splits `decode_attention` picks when ``num_splits`` is None."""
     return _auto_splits(batch, hkv, max_pages, pages_per_block, _TARGET_PROGRAMS_LOWBIT)
-
-
-def _split_table(
-    table: jax.Array,  # i32[B, n]
-    num_splits: int,
-    unit: int,
-) -> jax.Array:  # i32[B, S, pages_per_split]
-    """Pads the table (with page 0; masked by length) so each split gets whole units."""
-    b, n = table.shape
-    per = -(-n // (num_splits * unit)) * unit
-    table = jnp.pad(table, ((0, 0), (0, num_splits * per - n)))
-    return table.reshape(b, num_splits, per)
 
 
 def _merge_partials(
@@ -322,12 +311,17 @@ def decode_attention_variant(
     vi = None if value_inverse is None else value_inverse.astype(f32)
     if hoist and qt is not None:
         qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
+    # The full-precision pages share the low-bit splits, or (a backend with its own kernel for
+    # them) are split FP_PAGES_PER_SPLIT pages at a time.
+    fp_splits = num_splits
+    if mod.FP_PAGES_PER_SPLIT is not None:
+        fp_splits = -(-fp.table.shape[1] // mod.FP_PAGES_PER_SPLIT)
     acc, m, l = mod.paged_decode(
         cfg,
         qg,
         None if hoist else qt,
         None if hoist else vi,
-        (fp.k, fp.v, _split_table(fp.table, num_splits, unit), fp.length),
+        (fp.k, fp.v, split_table(fp.table, fp_splits, unit), fp.length),
         (
             k_codes,
             v_codes,
@@ -335,7 +329,7 @@ def decode_attention_variant(
             k_zero,
             v_scale,
             v_zero,
-            _split_table(lowbit.table, num_splits, unit),
+            split_table(lowbit.table, num_splits, unit),
             lowbit.length,
         ),
         interpret=interpret,
@@ -407,7 +401,7 @@ def decode_attention_bf16(
         qg,
         None,
         None,
-        (fp.k, fp.v, _split_table(fp.table, num_splits, unit), fp.length),
+        (fp.k, fp.v, split_table(fp.table, num_splits, unit), fp.length),
         None,
         interpret=interpret,
         num_warps=num_warps,

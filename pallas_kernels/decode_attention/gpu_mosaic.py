@@ -70,10 +70,10 @@ STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a s
 # of 32-byte rows); "bulk" is one `cp.async.bulk` of the tile's contiguous bytes into an
 # unswizzled tile (a [page, d/n] code tile is contiguous in the pool).
 CODE_COPIES = ("tma", "bulk")
-# What runs under the MMAs in flight: "none" waits after each product; "values" leaves a
-# step's value MMAs in flight over the next step's loads, key unpack and key MMAs; "keys"
-# unpacks the value planes while the key MMAs run.
-OVERLAPS = ("none", "values", "keys")
+# What runs under the MMAs in flight: "none" waits after each product (the serial twin);
+# "values" leaves a step's value MMAs in flight over the next step's loads, key unpack and
+# key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k).
+OVERLAPS = ("none", "values")
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
@@ -281,16 +281,12 @@ def _kernel(
         if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
             return carry
 
-        early_values = overlap == "keys" and value_layout == "dims" and stage == "full"
-
         def keys(acc_ref):
             for p, plane in enumerate(planes(k_smem.at[slot], k_bits)):
                 plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
-            # overlap="keys": the value planes are unpacked while the key MMAs run.
-            vp = planes(v_smem.at[slot], v_bits) if early_values else None
-            return acc_ref[...], vp
+            return acc_ref[...]  # waits for every MMA in flight
 
-        raw, early_planes = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
+        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = meta(0, slot), meta(1, slot)
         logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
         tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
@@ -312,7 +308,7 @@ def _kernel(
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
             # but the probabilities.
-            v_planes = early_planes if early_values else planes(v_smem.at[slot], v_bits)
+            v_planes = planes(v_smem.at[slot], v_bits)
         else:
             for c, plane in enumerate(planes(v_smem.at[slot], v_bits)):
                 v16_smem.at[:, pl.ds(c * v_width, v_width)][...] = plane
@@ -368,7 +364,7 @@ def lowbit_partials(
     auto_barriers: bool = False,
     code_copy: str = "tma",
     int_to_float: str = "asm",
-    overlap: str = "none",
+    overlap: str = "values",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
@@ -507,6 +503,9 @@ def lowbit_partials(
 # pages by the kernel above, and the Triton merge kernel combines both sets of partials.
 # ------------------------------------------------------------------------------------------
 MIN_GROUP_PAD = GROUP_PAD
+# The sink/recent pages (a few hundred tokens) go to their own kernel in splits of this many
+# pages: at batch 1 one program per head walking them all is a serial chain the call waits for.
+FP_PAGES_PER_SPLIT = 4
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
@@ -531,21 +530,19 @@ def paged_decode(
     num_warps: int | None,
     num_stages: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Split partials of both page sets, ``(acc f32[B,Hkv,S+1,g,d], m, l f32[B,Hkv,S+1,g])``."""
+    """Split partials of both page sets, ``(acc f32[B,Hkv,S_fp+S,g,d], m, l f32[...,g])``:
+    ``fp_set``'s table holds its own ``S_fp`` splits (`FP_PAGES_PER_SPLIT`)."""
     if query_transform is not None or value_inverse is not None:
         raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     if interpret:
         raise ValueError("the Mosaic GPU body has no interpret mode; use backend='gpu'")
-    k_fp, v_fp, fp_tab, fp_len = fp_set
-    b = fp_tab.shape[0]
     fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
-    fp_one_split = (k_fp, v_fp, fp_tab.reshape(b, 1, -1), fp_len)
     acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
         fp_cfg,
         qg,
         None,
         None,
-        fp_one_split,
+        fp_set,
         None,
         interpret=False,
         num_warps=num_warps,

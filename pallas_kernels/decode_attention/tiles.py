@@ -291,3 +291,15 @@ def unpack_tile_planes(
     wide = jnp.int32 if int_to_float == "convert" else jnp.int16
     planes = layout.unpack_planes(packed.astype(wide), bits)
     return [codes_to_f16(c, int_to_float) for c in planes]
+
+
+def split_table(
+    table: jax.Array,  # i32[B, n]
+    num_splits: int,
+    unit: int,
+) -> jax.Array:  # i32[B, S, pages_per_split]
+    """Pads a page table (with page 0; masked by length) so each split gets whole units."""
+    b, n = table.shape
+    per = -(-n // (num_splits * unit)) * unit
+    table = jnp.pad(table, ((0, 0), (0, num_splits * per - n)))
+    return table.reshape(b, num_splits, per)

@@ -569,13 +569,13 @@ _OVERLAP_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("overlap", ["values", "keys"])
+@pytest.mark.parametrize("overlap", ["values"])
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
 def test_mosaic_overlapped_mmas_match_the_serial_step(case: Case, overlap: str):
     _check_overlap(case, overlap, run=True)
 
 
-@pytest.mark.parametrize("overlap", ["values", "keys"])
+@pytest.mark.parametrize("overlap", ["none", "values"])
 def test_mosaic_overlapped_mmas_lower_for_cuda(overlap: str):
     _check_overlap(_OVERLAP_CASES[0], overlap, run=False)
 
@@ -590,7 +590,7 @@ def _check_overlap(case: Case, overlap: str, *, run: bool):
     x = make_inputs(case, seed=3)
     low = x["lowbit"]
     (kc, ks, kz), (vc, vs, vz) = low.k, low.v
-    tab = da_api._split_table(low.table, 3, 1)
+    tab = da_api.split_table(low.table, 3, 1)
     lowbit_set = (kc, vc, ks, kz, vs, vz, tab, low.length)
     qg = x["q"].reshape(case.batch, case.kv_heads, case.group, case.head_dim)
     kw = dict(bits=case.bits, bits_v=case.bits_v, scale_log2=0.1, group=case.group,
@@ -600,7 +600,7 @@ def _check_overlap(case: Case, overlap: str, *, run: bool):
         lowered = jax.jit(f).trace(qg, lowbit_set).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
         return
-    want = gm.lowbit_partials(qg, lowbit_set, **kw)
+    want = gm.lowbit_partials(qg, lowbit_set, **kw, overlap="none")
     got = gm.lowbit_partials(qg, lowbit_set, **kw, overlap=overlap)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
