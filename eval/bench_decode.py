@@ -271,6 +271,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     value_layout=vl,
                     code_copy=copy,
                     overlap=overlap,
+                    columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"

@@ -77,7 +77,7 @@ OVERLAPS = ("none", "values")
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
-# valid-token count) is padded to 32 int32 entries, sum(q) to 32 floats.
+# valid-token count) is padded to 32 int32 entries.
 _COPY_WORDS = 32
 
 
@@ -167,8 +167,7 @@ _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, 
 
 
 def _kernel(
-    q_gmem,  # f16[B, Hkv, n, N, W] transformed query planes, times scale_log2
-    qsum_gmem,  # f32[B, Hkv, 32] sum over channels of the float16 query, per column
+    q_gmem,  # f16[B, Hkv, N, d] transformed query, times scale_log2
     kc_gmem,  # u8[P, Hkv, page, W]
     vc_gmem,  # u8[P, Hkv, page, W] or [P, Hkv, d, page / n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
@@ -180,7 +179,6 @@ def _kernel(
     m_gmem,  # f32[B, Hkv, S, N]
     l_gmem,  # f32[B, Hkv, S, N]
     q_smem,
-    qsum_smem,
     tab_smem,
     ring,  # the loop's buffers, aliased with the epilogue's f32[d, N] output tile
     v16_smem,
@@ -209,8 +207,11 @@ def _kernel(
     d = q_smem.shape[0] * q_smem.shape[-1]
     v_width = d // layout.codes_per_byte(v_bits)
     tiles_per_page = page // tile
-    plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
-    plgpu.copy_gmem_to_smem(qsum_gmem.at[bi, h], qsum_smem, bar_in.at[0])
+    width = q_smem.shape[-1]
+    for p in range(q_smem.shape[0]):  # plane p: the query's columns [p W, (p + 1) W)
+        plgpu.copy_gmem_to_smem(
+            q_gmem.at[bi, h, :, pl.ds(p * width, width)], q_smem.at[p], bar_in.at[0]
+        )
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
@@ -246,7 +247,15 @@ def _kernel(
 
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # a value per query column
-    qsum = plgpu.load(qsum_smem.at[pl.ds(0, GROUP_PAD)], (), layout=col)
+
+    def query_sums(acc_ref):  # sum(q) per column on the tensor cores: a ones tile @ q^T
+        ones = plgpu.layout_cast(jnp.full((TILE, width), 1.0, jnp.float16), plgpu.Layout.WGMMA)
+        for p in range(q_smem.shape[0]):
+            plgpu.wgmma(acc_ref, ones, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
+        return acc_ref[...]
+
+    # Every row holds the same sums of the float16 query the key MMAs read.
+    qsum = pl.run_scoped(query_sums, plgpu.ACC((TILE, GROUP_PAD), jnp.float32)).max(axis=0)
     shape = (tile, GROUP_PAD)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
@@ -365,11 +374,14 @@ def lowbit_partials(
     code_copy: str = "tma",
     int_to_float: str = "asm",
     overlap: str = "values",
+    columns: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
     ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
-    and denominator, as the Triton body returns them. ``bits`` is the keys' width, ``bits_v``
+    and denominator, as the Triton body returns them. ``columns``: the kernel's own layout
+    instead, query rows last and padded to ``GROUP_PAD`` (acc f32[B,Hkv,S,d,N], m, l
+    f32[B,Hkv,S,N]), which `merge_splits` reads in place. ``bits`` is the keys' width, ``bits_v``
     the values' (default: the same); scale/zero may be float16 or the 8-bit encoding
     (`layout.META_U8`, decoded in the kernel; 128-token pages).
     """
@@ -403,17 +415,15 @@ def lowbit_partials(
         raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
-    # Query planes, float16 as the MMA reads them; sum(q) from the same rounded values.
+    # The query as float16, as the MMAs read it (its planes are column blocks, copied apart).
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
-    q_planes = qs.reshape(b, hkv, GROUP_PAD, n, width).transpose(0, 1, 3, 2, 4)
-    qsum = jnp.sum(qs.astype(jnp.float32), axis=-1)  # [B, Hkv, N]
-    qsum = jnp.pad(qsum, ((0, 0), (0, 0), (0, _COPY_WORDS - GROUP_PAD)))
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
     count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
     row = -(-(pps + 1) // _COPY_WORDS) * _COPY_WORDS
-    tab_ext = jnp.zeros((b, s, row), jnp.int32).at[:, :, :pps].set(tab).at[:, :, pps].set(count)
+    pad = jnp.zeros((b, s, row - pps - 1), jnp.int32)
+    tab_ext = jnp.concatenate([tab, count[..., None], pad], axis=-1)  # one fusion
     tab_ext = tab_ext.reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
     metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
     meta_dtype = jnp.uint8 if meta_u8 else jnp.float16
@@ -473,12 +483,11 @@ def lowbit_partials(
     )
     scratch = dict(
         q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
-        qsum_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
         tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
         ring=ring,
         v16_smem=v16_smem,
         vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
-        bar_in=plgpu.Barrier(num_arrivals=3, num_barriers=1),
+        bar_in=plgpu.Barrier(num_arrivals=n + 1, num_barriers=1),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
     acc, m, l = plgpu.kernel(
@@ -492,7 +501,9 @@ def lowbit_partials(
         grid=(b, hkv, s),
         grid_names=("b", "h", "s"),
         scratch_types=scratch,
-    )(q_planes, qsum, kc, vc, *metas, tab_ext)
+    )(qs, kc, vc, *metas, tab_ext)
+    if columns:
+        return acc, m, l
     acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
     return acc, m[..., :group], l[..., :group]
 
@@ -530,8 +541,10 @@ def paged_decode(
     num_warps: int | None,
     num_stages: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Split partials of both page sets, ``(acc f32[B,Hkv,S_fp+S,g,d], m, l f32[...,g])``:
-    ``fp_set``'s table holds its own ``S_fp`` splits (`FP_PAGES_PER_SPLIT`)."""
+    """Split partials of both page sets as pairs ``(acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)``:
+    the full-precision set as the Triton body returns it (``fp_set``'s table holds its own
+    splits, `FP_PAGES_PER_SPLIT`), the low-bit set in the kernel's column layout
+    (`lowbit_partials` with ``columns=True``); `merge_splits` takes the pairs."""
     if query_transform is not None or value_inverse is not None:
         raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     if interpret:
@@ -559,11 +572,24 @@ def paged_decode(
         value_layout=cfg.value_layout,
         code_copy=cfg.gather,
         int_to_float=cfg.int_to_float,
+        columns=True,
     )
-    cat = functools.partial(jnp.concatenate, axis=2)
-    return cat([acc_fp, acc_q]), cat([m_fp, m_q]), cat([l_fp, l_q])
+    return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 
 
-# The query-transform prologue and the merge + value-inverse epilogue are the Triton body's.
+def merge_splits(
+    acc: tuple[jax.Array, jax.Array],
+    m: tuple[jax.Array, jax.Array],
+    l: tuple[jax.Array, jax.Array],
+    value_inverse: jax.Array | None,
+    *,
+    interpret: bool,
+) -> jax.Array:  # f32[B, Hkv, g, d]
+    """The Triton merge kernel over `paged_decode`'s two partial sets (no concatenation)."""
+    return gpu_triton.merge_splits(
+        acc[0], m[0], l[0], value_inverse, interpret=interpret, columns=(acc[1], m[1], l[1])
+    )
+
+
+# The query-transform prologue is the Triton body's.
 head_matmul = gpu_triton.head_matmul
-merge_splits = gpu_triton.merge_splits

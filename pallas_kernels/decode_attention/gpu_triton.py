@@ -420,16 +420,24 @@ def head_matmul(
 MERGE_NUM_WARPS = 8
 
 
-def _merge_kernel(acc_ref, m_ref, l_ref, *rest, splits: int, splits_pad: int):
-    vi_ref, o_ref = rest if len(rest) == 2 else (None, rest[0])
-    ok = jnp.arange(splits_pad, dtype=jnp.int32) < splits  # the block overhangs the splits
-    acc = plgpu.load(acc_ref, mask=ok[:, None], other=0.0)  # [S_pad, d]
-    m = plgpu.load(m_ref, mask=ok, other=da.NEG_INF)  # [S_pad]
-    l = plgpu.load(l_ref, mask=ok, other=0.0)
-    # The log-sum-exp merge of `da._merge_partials`, for one (sequence, KV head, query row).
-    w = jnp.exp2(m - jnp.max(m))  # 0 for padding and empty splits unless all are empty
-    l_all = jnp.sum(w * l)
-    o = jnp.sum(w[:, None] * acc, axis=0) / jnp.where(l_all > 0, l_all, 1.0)  # [d]
+def _merge_kernel(*refs, splits: tuple[int, ...], splits_pad: tuple[int, ...], has_vi: bool):
+    """One (sequence, KV head, query row): ``(acc, m, l)`` refs of each partial set, then the
+    value inverse (``has_vi``), then the output."""
+    sets = [refs[3 * i : 3 * i + 3] for i in range(len(splits))]
+    vi_ref = refs[3 * len(splits)] if has_vi else None
+    o_ref = refs[-1]
+    accs, ms, ls = [], [], []
+    for (acc_ref, m_ref, l_ref), s, s_pad in zip(sets, splits, splits_pad):
+        ok = jnp.arange(s_pad, dtype=jnp.int32) < s  # the block overhangs the splits
+        accs.append(plgpu.load(acc_ref, mask=ok[:, None], other=0.0))  # [S_pad, d]
+        ms.append(plgpu.load(m_ref, mask=ok, other=da.NEG_INF))  # [S_pad]
+        ls.append(plgpu.load(l_ref, mask=ok, other=0.0))
+    # The log-sum-exp merge of `da._merge_partials` over every set's splits.
+    m_all = functools.reduce(jnp.maximum, [jnp.max(m) for m in ms])
+    ws = [jnp.exp2(m - m_all) for m in ms]  # 0 for padding and empty splits unless all are
+    l_all = sum(jnp.sum(w * l) for w, l in zip(ws, ls))
+    o = sum(jnp.sum(w[:, None] * acc, axis=0) for w, acc in zip(ws, accs))
+    o = o / jnp.where(l_all > 0, l_all, 1.0)  # [d]
     if vi_ref is not None:
         # o @ B_V as a broadcast multiply and column sum: exact float32 products (what
         # HIGHEST asks of the dot) without the 16-row minimum of a tensor-core dot.
@@ -444,6 +452,7 @@ def merge_splits(
     value_inverse: jax.Array | None,  # f32[Hkv, d, d] or None
     *,
     interpret: bool,
+    columns: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:  # f32[B, Hkv, R, d]
     """Log-sum-exp merge of the split partials and the value-inverse epilogue in one kernel.
 
@@ -451,6 +460,10 @@ def merge_splits(
     split axis padded to a power of two through masked loads) and, when given, its head's
     ``B_V``. Replaces the XLA merge (four fusions) and the `head_matmul` epilogue: at 1 x 64k
     those were ~17 us of ~30 us fixed cost on the H200 (run 11, ncu kernel listing).
+
+    ``columns``: a second set of partials merged with the first, in the Mosaic GPU body's
+    layout (``acc f32[B, Hkv, S2, d, N]``, ``m, l f32[B, Hkv, S2, N]``, query rows as the
+    last axis, ``N >= R``), read in place: no transpose or concatenation before the merge.
     """
     b, hkv, s, r, d = acc.shape
     s_pad = 1 << (s - 1).bit_length()
@@ -460,11 +473,32 @@ def merge_splits(
         pl.BlockSpec((None, None, s_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
     ]
     args = [acc, m, l]
+    splits, splits_pad = [s], [s_pad]
+    if columns is not None:
+        acc2, m2, l2 = columns
+        s2 = acc2.shape[2]
+        s2_pad = 1 << (s2 - 1).bit_length()
+        if acc2.shape[:2] != (b, hkv) or acc2.shape[3] != d or acc2.shape[4] < r:
+            raise ValueError(f"{acc2.shape=} must be [B={b}, Hkv={hkv}, S2, d={d}, N>={r}]")
+        specs += [
+            pl.BlockSpec((None, None, s2_pad, d, None), lambda bi, h, ri: (bi, h, 0, 0, ri)),
+            pl.BlockSpec((None, None, s2_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+            pl.BlockSpec((None, None, s2_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+        ]
+        args += [acc2, m2, l2]
+        splits.append(s2)
+        splits_pad.append(s2_pad)
     if value_inverse is not None:
         specs.append(pl.BlockSpec((None, d, d), lambda bi, h, ri: (h, 0, 0)))
         args.append(value_inverse)
+    kernel = functools.partial(
+        _merge_kernel,
+        splits=tuple(splits),
+        splits_pad=tuple(splits_pad),
+        has_vi=value_inverse is not None,
+    )
     return pl.pallas_call(
-        functools.partial(_merge_kernel, splits=s, splits_pad=s_pad),
+        kernel,
         grid=(b, hkv, r),
         in_specs=specs,
         out_specs=pl.BlockSpec((None, None, None, d), lambda bi, h, ri: (bi, h, ri, 0)),

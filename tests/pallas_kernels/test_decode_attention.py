@@ -872,3 +872,31 @@ def test_gpu_merge_kernel_matches_xla_merge(splits: int, with_inverse: bool):
         want = jnp.einsum("bkrd,kde->bkre", want, vi, precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[1, 1, 2] == 0)
+
+
+@pytest.mark.parametrize("split_at", [1, 3])
+def test_gpu_merge_kernel_reads_a_second_set_in_columns(split_at: int):
+    """Two partial sets, the second in the Mosaic body's layout (query rows last, padded to
+    N), merge to what the one concatenated set gives."""
+    from pallas_kernels.decode_attention import gpu_triton as gpu_da
+
+    b, hkv, s, r, d, n = 2, 2, 7, 4, 64, 16
+    ks = jax.random.split(jax.random.key(4), 4)
+    acc = jax.random.normal(ks[0], (b, hkv, s, r, d))
+    m = (jax.random.normal(ks[1], (b, hkv, s, r)) * 4).at[1, 1, :, 2].set(da.NEG_INF)
+    l = jax.random.uniform(ks[2], (b, hkv, s, r), minval=0.5, maxval=3.0).at[1, 1, :, 2].set(0)
+    acc = acc.at[1, 1, :, 2].set(0.0)  # a row with no key in either set
+    vi = jax.random.normal(ks[3], (hkv, d, d))
+    want = gpu_da.merge_splits(acc, m, l, vi, interpret=True)
+
+    def columns(x):  # [B, Hkv, S2, R, ...] -> rows last, padded with junk to N
+        x = jnp.moveaxis(x, 3, -1)
+        return jnp.concatenate([x, jnp.full((*x.shape[:-1], n - r), 7.0)], axis=-1)
+
+    cols = tuple(columns(x[:, :, split_at:]) for x in (acc, m, l))
+    got = gpu_da.merge_splits(
+        acc[:, :, :split_at], m[:, :, :split_at], l[:, :, :split_at], vi, interpret=True,
+        columns=cols,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got)[1, 1, 2] == 0)
