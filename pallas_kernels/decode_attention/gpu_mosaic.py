@@ -381,7 +381,7 @@ def lowbit_partials(
     ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
     and denominator, as the Triton body returns them. ``columns``: the kernel's own layout
     instead, query rows last and padded to ``GROUP_PAD`` (acc f32[B,Hkv,S,d,N], m, l
-    f32[B,Hkv,S,N]), which `merge_splits` reads in place. ``bits`` is the keys' width, ``bits_v``
+    f32[B,Hkv,S,N]). ``bits`` is the keys' width, ``bits_v``
     the values' (default: the same); scale/zero may be float16 or the 8-bit encoding
     (`layout.META_U8`, decoded in the kernel; 128-token pages).
     """
@@ -543,8 +543,9 @@ def paged_decode(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials of both page sets as pairs ``(acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)``:
     the full-precision set as the Triton body returns it (``fp_set``'s table holds its own
-    splits, `FP_PAGES_PER_SPLIT`), the low-bit set in the kernel's column layout
-    (`lowbit_partials` with ``columns=True``); `merge_splits` takes the pairs."""
+    splits, `FP_PAGES_PER_SPLIT`); the low-bit set's ``acc`` transposed to rows (one XLA
+    fusion), its ``m``, ``l`` as the kernel wrote them (``N`` columns, the first ``g`` read).
+    `merge_splits` takes the pairs: no concatenation."""
     if query_transform is not None or value_inverse is not None:
         raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     if interpret:
@@ -574,6 +575,9 @@ def paged_decode(
         int_to_float=cfg.int_to_float,
         columns=True,
     )
+    # The merge kernel's strided loads of the column layout measured 30 us at 1 x 64k (run 53)
+    # against ~5 us for this transpose plus the row-layout merge.
+    acc_q = acc_q[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, g, d]
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 
 
@@ -587,7 +591,7 @@ def merge_splits(
 ) -> jax.Array:  # f32[B, Hkv, g, d]
     """The Triton merge kernel over `paged_decode`'s two partial sets (no concatenation)."""
     return gpu_triton.merge_splits(
-        acc[0], m[0], l[0], value_inverse, interpret=interpret, columns=(acc[1], m[1], l[1])
+        acc[0], m[0], l[0], value_inverse, interpret=interpret, second=(acc[1], m[1], l[1])
     )
 
 

@@ -452,7 +452,7 @@ def merge_splits(
     value_inverse: jax.Array | None,  # f32[Hkv, d, d] or None
     *,
     interpret: bool,
-    columns: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    second: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> jax.Array:  # f32[B, Hkv, R, d]
     """Log-sum-exp merge of the split partials and the value-inverse epilogue in one kernel.
 
@@ -461,9 +461,9 @@ def merge_splits(
     ``B_V``. Replaces the XLA merge (four fusions) and the `head_matmul` epilogue: at 1 x 64k
     those were ~17 us of ~30 us fixed cost on the H200 (run 11, ncu kernel listing).
 
-    ``columns``: a second set of partials merged with the first, in the Mosaic GPU body's
-    layout (``acc f32[B, Hkv, S2, d, N]``, ``m, l f32[B, Hkv, S2, N]``, query rows as the
-    last axis, ``N >= R``), read in place: no transpose or concatenation before the merge.
+    ``second``: another set of partials merged with the first (``acc f32[B, Hkv, S2, R2, d]``,
+    ``m, l f32[B, Hkv, S2, R3]``, ``R2, R3 >= R``: rows past ``R`` are not read), so two
+    kernels' partials need no concatenation before the merge.
     """
     b, hkv, s, r, d = acc.shape
     s_pad = 1 << (s - 1).bit_length()
@@ -474,14 +474,14 @@ def merge_splits(
     ]
     args = [acc, m, l]
     splits, splits_pad = [s], [s_pad]
-    if columns is not None:
-        acc2, m2, l2 = columns
+    if second is not None:
+        acc2, m2, l2 = second
         s2 = acc2.shape[2]
         s2_pad = 1 << (s2 - 1).bit_length()
-        if acc2.shape[:2] != (b, hkv) or acc2.shape[3] != d or acc2.shape[4] < r:
-            raise ValueError(f"{acc2.shape=} must be [B={b}, Hkv={hkv}, S2, d={d}, N>={r}]")
+        if acc2.shape[:2] != (b, hkv) or acc2.shape[3] < r or acc2.shape[4] != d:
+            raise ValueError(f"{acc2.shape=} must be [B={b}, Hkv={hkv}, S2, >={r}, d={d}]")
         specs += [
-            pl.BlockSpec((None, None, s2_pad, d, None), lambda bi, h, ri: (bi, h, 0, 0, ri)),
+            pl.BlockSpec((None, None, s2_pad, None, d), lambda bi, h, ri: (bi, h, 0, ri, 0)),
             pl.BlockSpec((None, None, s2_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
             pl.BlockSpec((None, None, s2_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
         ]

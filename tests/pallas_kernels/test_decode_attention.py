@@ -875,9 +875,9 @@ def test_gpu_merge_kernel_matches_xla_merge(splits: int, with_inverse: bool):
 
 
 @pytest.mark.parametrize("split_at", [1, 3])
-def test_gpu_merge_kernel_reads_a_second_set_in_columns(split_at: int):
-    """Two partial sets, the second in the Mosaic body's layout (query rows last, padded to
-    N), merge to what the one concatenated set gives."""
+def test_gpu_merge_kernel_merges_a_second_set(split_at: int):
+    """Two partial sets, the second's m/l with padded rows (the Mosaic body's N columns),
+    merge to what the one concatenated set gives."""
     from pallas_kernels.decode_attention import gpu_triton as gpu_da
 
     b, hkv, s, r, d, n = 2, 2, 7, 4, 64, 16
@@ -889,14 +889,14 @@ def test_gpu_merge_kernel_reads_a_second_set_in_columns(split_at: int):
     vi = jax.random.normal(ks[3], (hkv, d, d))
     want = gpu_da.merge_splits(acc, m, l, vi, interpret=True)
 
-    def columns(x):  # [B, Hkv, S2, R, ...] -> rows last, padded with junk to N
-        x = jnp.moveaxis(x, 3, -1)
-        return jnp.concatenate([x, jnp.full((*x.shape[:-1], n - r), 7.0)], axis=-1)
+    def padded(x):  # rows past R hold junk the merge must not read
+        junk = jnp.full((*x.shape[:3], n - r, *x.shape[4:]), 7.0)
+        return jnp.concatenate([x, junk], axis=3)
 
-    cols = tuple(columns(x[:, :, split_at:]) for x in (acc, m, l))
+    second = tuple(padded(x[:, :, split_at:]) for x in (acc, m, l))
     got = gpu_da.merge_splits(
         acc[:, :, :split_at], m[:, :, :split_at], l[:, :, :split_at], vi, interpret=True,
-        columns=cols,
+        second=second,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[1, 1, 2] == 0)
