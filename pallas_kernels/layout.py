@@ -305,17 +305,19 @@ def _zero_u8_code(z: jax.Array, bits: int) -> jax.Array:  # f32 -> i32 in [0, 25
 
 
 def _decode_zero_u8(c: jax.Array, bits: int) -> jax.Array:  # int -> f32 (exact)
+    # (c - 128) / U + mid as one multiply-add: c / U and mid - 128 / U are exact (U is a power
+    # of two), so the sum rounds once, to the same float32 as the two-step form.
     u, mid = ZERO_U8_UNITS[bits], ((1 << bits) - 1) / 2
-    return (c.astype(jnp.int32) - 128).astype(jnp.float32) * jnp.float32(1.0 / u) + jnp.float32(mid)
+    return c.astype(jnp.int32).astype(jnp.float32) * jnp.float32(1.0 / u) + jnp.float32(
+        mid - 128 / u
+    )
 
 
 def _decode_scale_u8(c: jax.Array) -> jax.Array:  # int -> f32 (exact)
+    # Byte e << 4 | m shifted left by 19 is e << 23 | m << 19: adding the biased exponent's
+    # offset gives the float32 bits in one multiply-add (no field extraction).
     c = c.astype(jnp.int32)
-    e = jax.lax.shift_right_logical(c, jnp.int32(4))
-    m = c & 15
-    b = jax.lax.shift_left(e + (127 - SCALE_U8_BIAS), jnp.int32(23)) | jax.lax.shift_left(
-        m, jnp.int32(_SCALE_U8_DROP)
-    )
+    b = c * jnp.int32(1 << _SCALE_U8_DROP) + jnp.int32((127 - SCALE_U8_BIAS) << 23)
     return jax.lax.bitcast_convert_type(b, jnp.float32)
 
 
