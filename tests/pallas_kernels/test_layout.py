@@ -215,6 +215,18 @@ def test_u8_zero_encoding(bits):
     assert float(layout.decode_zero(mid, bits)) == h - 0.5
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_u8_decode_is_the_documented_value_of_every_byte(bits):
+    """Both decodes (one integer multiply-add + bitcast; one float multiply-add) give the
+    module docstring's values exactly: 2**(e - bias) * (1 + m / 16) and (z - 128) / U + qmax / 2."""
+    c = np.arange(256)
+    want_scale = 2.0 ** ((c >> 4) - layout.SCALE_U8_BIAS) * (1 + (c & 15) / 16)
+    want_zero = (c - 128) / layout.ZERO_U8_UNITS[bits] + ((1 << bits) - 1) / 2
+    stored = jnp.arange(256, dtype=jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(layout.decode_scale(stored)), want_scale)
+    np.testing.assert_array_equal(np.asarray(layout.decode_zero(stored, bits)), want_zero)
+
+
 def test_u8_meta_layout_bytes():
     c = layout.PageLayout(16, 3, 64, bits=2, meta_dtype="uint8")
     assert c.bits_per_element == 2.25
