@@ -8,13 +8,17 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   planar-packed key codes (`pallas_kernels.layout`) is loaded to registers once; plane ``i``
   is already a ``[tile, d/n]`` array in the MMA's A layout, so
   ``logits^T[tile, N] = sum_i plane_i @ q_i^T`` is ``n`` warpgroup MMAs of K = d/n against the
-  matching column block of the transformed query (shared memory, group padded to N = 16).
+  matching column block of the transformed query (shared memory, group padded to N = 16;
+  each block is its own TMA box of the float16 query). ``sum(q)`` per column comes from the
+  same float16 values once per CTA, on the tensor cores (a ones tile times the planes).
   A plane becomes float16 without an integer-to-float conversion: a mask, an OR under a
   float16 exponent and a subtraction, two codes per 32-bit instruction, written in inline PTX
   (`_planes_asm`, the default) or in jnp ops (`_plane_to_f16`, ``int_to_float="exponent"``,
   which Mosaic lowers to about twice the instructions).
   Scales and zero points are applied per token row afterwards
-  (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5).
+  (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5); float16 or the 8-bit encoding
+  (`layout`, decoded in the kernel with the reference's integer ops). Keys and values may have
+  different widths (a bit allocation's layers).
 * **Softmax over the token axis** (axis 0 of the accumulator: a cross-warp reduction), base 2,
   the query carrying ``sm_scale * log2(e)``.
 * **Values** ``O^T[d, N] = V^T (p s)`` with ``p * s_v`` as the B operand (shared memory) and
@@ -33,14 +37,19 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   tiles (``code_copy="tma"``) or as plain bulk copies of their contiguous bytes into
   unswizzled tiles (``"bulk"``: the ring alone reads faster, the kernel measured level;
   BENCHMARKS.md).
+* **MMA schedule** (``overlap``): by default a step's value MMAs stay in flight under the next
+  step's copies, key unpack and key MMAs; the value accumulator is an MMA accumulator across
+  the loop, and reading it for the next rescale waits for both. ``"none"`` waits after each
+  product: the serial twin the tests compare against.
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
 denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
-kernel combines them with the full-precision segment's partials. Supported: scale/zero groups
+kernel combines them with the full-precision segment's partials (the low-bit ``acc`` is
+transposed from the kernel's ``[d, N]`` tiles first). Supported: scale/zero groups
 of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 or 64 bytes
 (2 bits at d = 128/256, 4 bits at d = 64/128; 128-byte rows, 4 bits at d = 256, gave wrong
 results in run 20), low-bit pages of a multiple of 64 tokens (steps of 128 tokens when pages
-hold 128).
+hold 128; 8-bit scale/zero needs 128).
 """
 
 from __future__ import annotations
@@ -379,11 +388,11 @@ def lowbit_partials(
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
 
     ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
-    and denominator, as the Triton body returns them. ``columns``: the kernel's own layout
-    instead, query rows last and padded to ``GROUP_PAD`` (acc f32[B,Hkv,S,d,N], m, l
-    f32[B,Hkv,S,N]). ``bits`` is the keys' width, ``bits_v``
+    and denominator, as the Triton body returns them. ``bits`` is the keys' width, ``bits_v``
     the values' (default: the same); scale/zero may be float16 or the 8-bit encoding
-    (`layout.META_U8`, decoded in the kernel; 128-token pages).
+    (`layout.META_U8`, decoded in the kernel; 128-token pages). ``columns``: the kernel's own
+    layout instead, query rows last and padded to ``GROUP_PAD`` (acc f32[B,Hkv,S,d,N], m, l
+    f32[B,Hkv,S,N]).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
