@@ -229,22 +229,21 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
     segment or merge), 2 bits, dimension-major value pages (128 tokens): computing
-    everything, keys only (no value product) or nothing but the TMA ring (loads only); with
-    the MMAs overlapped with the next unpack (`gpu_mosaic.OVERLAPS`); and everything with
-    token-major values (64-token pages)."""
+    everything (masking every step or only the last, `gpu_mosaic.MASKS`), keys only (no
+    value product) or nothing but the TMA ring (loads only); tensor-map or bulk copies."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    # (page, value layout, stage, code copies, overlap): session 12's rows of the jnp unpack
-    # and the metadata-less ring are in BENCHMARKS.md.
-    runs = [(128, "dims", st, "tma", "none") for st in ("full", "keys", "loads")]
-    runs += [(128, "dims", "full", "tma", "values")]
-    runs += [(64, "tokens", "full", "tma", ov) for ov in ("none", "values")]
+    # (page, value layout, stage, code copies, overlap, mask): sessions 12-13's rows (jnp
+    # unpack, token-major values, the serial schedule) are in BENCHMARKS.md.
+    runs = [(128, "dims", "full", "tma", "values", mk) for mk in ("every", "last")]
+    runs += [(128, "dims", "keys", "tma", "values", "last")]
+    runs += [(128, "dims", "loads", "tma", "none", "last")]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", st, "bulk", ov) for st, ov in (("full", "none"), ("loads", "none"))]
-    runs += [(128, "dims", "full", "bulk", "values")]
+    runs += [(128, "dims", "full", "bulk", "values", "last")]
+    runs += [(128, "dims", "loads", "bulk", "none", "last")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -258,9 +257,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, overlap in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy, overlap, mask in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap):
+            def call(c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap, mask=mask):
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -271,12 +270,14 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     value_layout=vl,
                     code_copy=copy,
                     overlap=overlap,
+                    mask=mask,
                     columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"
             name += "_bulk" if copy == "bulk" else ""
             name += f"_overlap_{overlap}" if overlap != "none" else ""
+            name += "_mask_every" if mask == "every" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),

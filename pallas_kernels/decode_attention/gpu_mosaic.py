@@ -83,6 +83,9 @@ CODE_COPIES = ("tma", "bulk")
 # "values" leaves a step's value MMAs in flight over the next step's loads, key unpack and
 # key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k).
 OVERLAPS = ("none", "values")
+# Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
+# or "every" (the twin the tests compare against).
+MASKS = ("last", "every")
 GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
@@ -206,6 +209,7 @@ def _kernel(
     code_copy: str,
     asm: bool,
     overlap: str,
+    mask: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
     # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
@@ -286,7 +290,7 @@ def _kernel(
             return layout.decode_scale(stored)
         return layout.decode_zero(stored, k_bits if r < 2 else v_bits)
 
-    def step(i, carry, acc_ref):
+    def step(i, carry, acc_ref, masked):
         m_i, l_i, zc = carry
         slot = lax.rem(i, STAGES)
         nxt = i + STAGES - 1
@@ -307,15 +311,20 @@ def _kernel(
         raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = meta(0, slot), meta(1, slot)
         logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
-        tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + i * tile
-        valid = tok < count
-        logits = jnp.where(valid, logits, da.NEG_INF)
+        if masked:  # the split's last step: tokens past `count` (their pages may hold NaN)
+            tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+            valid = tok + i * tile < count
+            logits = jnp.where(valid, logits, da.NEG_INF)
         m_new = jnp.maximum(m_i, logits.max(axis=0))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits - bcast_col(m_new))
         vs, vz = meta(2, slot), meta(3, slot)
-        pv = jnp.where(valid, p * bcast_row(vs), 0.0)  # unused pages may hold NaN scales
-        pvz = jnp.where(valid, pv * bcast_row(vz), 0.0)
+        pv = p * bcast_row(vs)
+        if masked:
+            pv = jnp.where(valid, pv, 0.0)
+        pvz = pv * bcast_row(vz)
+        if masked:
+            pvz = jnp.where(valid, pvz, 0.0)
         # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
         # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
         l_i = l_i * bcast_col(alpha) + p
@@ -352,8 +361,14 @@ def _kernel(
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
     )
 
+    # Only a step that reaches past `count` masks its tokens (mask="last"): the others skip
+    # the iota, compare and three selects per element. mask="every" is the twin that masks all.
+    n_full = n_steps if mask == "every" else count // tile
+
     def loop(acc_ref):  # the value accumulator stays an MMA accumulator across steps
-        out = lax.fori_loop(0, n_steps, functools.partial(step, acc_ref=acc_ref), carry)
+        body = functools.partial(step, acc_ref=acc_ref)
+        out = lax.fori_loop(0, n_full, functools.partial(body, masked=mask == "every"), carry)
+        out = lax.fori_loop(n_full, n_steps, functools.partial(body, masked=True), out)
         return acc_ref[...], *out
 
     acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, GROUP_PAD), jnp.float32))
@@ -383,6 +398,7 @@ def lowbit_partials(
     code_copy: str = "tma",
     int_to_float: str = "asm",
     overlap: str = "values",
+    mask: str = "last",
     columns: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
@@ -424,6 +440,8 @@ def lowbit_partials(
         raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
+    if mask not in MASKS:
+        raise ValueError(f"mask={mask!r} must be one of {MASKS}")
     # The query as float16, as the MMAs read it (its planes are column blocks, copied apart).
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
@@ -472,6 +490,7 @@ def lowbit_partials(
         code_copy=code_copy,
         asm=int_to_float == "asm",
         overlap=overlap,
+        mask=mask,
     )
     # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
     # step). Safe here: a slot is refilled only in the step after its last reads, and every

@@ -569,20 +569,27 @@ _OVERLAP_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("overlap", ["values"])
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
-def test_mosaic_overlapped_mmas_match_the_serial_step(case: Case, overlap: str):
-    _check_overlap(case, overlap, run=True)
+def test_mosaic_overlapped_mmas_match_the_serial_step(case: Case):
+    _check_schedule(case, dict(overlap="values"), dict(overlap="none"), run=True)
 
 
-@pytest.mark.parametrize("overlap", ["none", "values"])
-def test_mosaic_overlapped_mmas_lower_for_cuda(overlap: str):
-    _check_overlap(_OVERLAP_CASES[0], overlap, run=False)
+@pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
+def test_mosaic_masking_only_the_last_step_matches_masking_every_step(case: Case):
+    _check_schedule(case, dict(mask="last"), dict(mask="every"), run=True)
 
 
-def _check_overlap(case: Case, overlap: str, *, run: bool):
-    """The Mosaic body's overlapped MMA schedules give the serial schedule's split partials
-    (the same operations; only where the warpgroup waits for its MMAs moves)."""
+@pytest.mark.parametrize(
+    "schedule", [dict(overlap="none"), dict(overlap="values"), dict(mask="every")], ids=str
+)
+def test_mosaic_schedules_lower_for_cuda(schedule: dict):
+    _check_schedule(_OVERLAP_CASES[0], schedule, None, run=False)
+
+
+def _check_schedule(case: Case, got_kw: dict, want_kw: dict | None, *, run: bool):
+    """A Mosaic body schedule gives its twin's split partials: the overlapped MMA schedule the
+    serial one's (the same operations; only where the warpgroup waits for its MMAs moves),
+    masking only a split's last step the masking of every step (full steps are all valid)."""
     if run and not _has_gpu():
         pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
     from pallas_kernels.decode_attention import gpu_mosaic as gm
@@ -596,12 +603,12 @@ def _check_overlap(case: Case, overlap: str, *, run: bool):
     kw = dict(bits=case.bits, bits_v=case.bits_v, scale_log2=0.1, group=case.group,
               value_layout=case.value_layout)  # fmt: skip
     if not run:
-        f = functools.partial(gm.lowbit_partials, **kw, overlap=overlap)
+        f = functools.partial(gm.lowbit_partials, **kw, **got_kw)
         lowered = jax.jit(f).trace(qg, lowbit_set).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
         return
-    want = gm.lowbit_partials(qg, lowbit_set, **kw, overlap="none")
-    got = gm.lowbit_partials(qg, lowbit_set, **kw, overlap=overlap)
+    want = gm.lowbit_partials(qg, lowbit_set, **kw, **want_kw)
+    got = gm.lowbit_partials(qg, lowbit_set, **kw, **got_kw)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
