@@ -3,7 +3,8 @@
 # tests/conftest.py sets full float32 matmul precision, so GPU test runs need no extra flags.
 # Usage on the device machine: bash notes/device_run.sh OUT_DIR "bench args..." [steps]
 # steps: comma-separated from tests, mosaic, sweep, mixed, suite, bench, ncu (NCU_VARIANTS), ncumosaic
-# (NCU_MOSAIC_STAGES at NCU_POINT), kernels (KERNEL_VARIANTS at KERNEL_POINTS),
+# (NCU_MOSAIC_STAGES at NCU_POINT), kernels (KERNEL_VARIANTS at KERNEL_POINTS), sass (SASS of
+# the Mosaic split kernel, SASS_STAGE at SASS_POINT),
 # paged, engine. suite = the README's test command (CI subset) on the GPU machine, 8 workers.
 # sweep = the whole GPU correctness sweep (slow cases included, `-m ""`); it runs 4 pytest
 # workers on the one GPU when pytest-xdist is there or its wheels were carried in .whl/.
@@ -102,6 +103,14 @@ if [[ $steps == *,kernels,* ]]; then
       echo "kernels $v $pt rc=$?" >> "$out/gpu.txt"
     done
   done
+fi
+if [[ $steps == *,sass,* ]]; then
+  # SASS and ptxas report of the Mosaic split kernel (SASS_STAGE), tarred (too many files).
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO="$out/sass_dump" timeout 150 \
+    python3 notes/decode_kernel_once.py mosaic_split:${SASS_STAGE:-full} ${SASS_POINT:-8x16384} \
+    > "$out/sass_run.log" 2>&1
+  echo "sass rc=$?" >> "$out/gpu.txt"
+  tar czf "$out/sass_dump.tgz" -C "$out" sass_dump && rm -rf "$out/sass_dump"
 fi
 if [[ $steps == *,paged,* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m "" \
