@@ -229,21 +229,23 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
     segment or merge), 2 bits, dimension-major value pages (128 tokens): computing
-    everything (masking every step or only the last, `gpu_mosaic.MASKS`), keys only (no
-    value product) or nothing but the TMA ring (loads only); tensor-map or bulk copies."""
+    everything (N = 16 or 8 MMA columns with one token stream, or the defaults: two streams
+    where the group allows), keys only (no value product) or nothing but the TMA ring (loads
+    only); tensor-map or bulk copies."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    # (page, value layout, stage, code copies, overlap, mask): sessions 12-13's rows (jnp
-    # unpack, token-major values, the serial schedule) are in BENCHMARKS.md.
-    runs = [(128, "dims", "full", "tma", "values", mk) for mk in ("every", "last")]
-    runs += [(128, "dims", "keys", "tma", "values", "last")]
-    runs += [(128, "dims", "loads", "tma", "none", "last")]
+    # (page, value layout, stage, code copies, overlap, mask, (MMA columns, token streams)):
+    # sessions 12-14's rows (jnp unpack, token-major values, the serial schedule, masking
+    # every step) are in BENCHMARKS.md. None: the kernel's defaults.
+    runs = [(128, "dims", "full", "tma", "values", "last", nc) for nc in ((16, 1), (8, 1), None)]
+    runs += [(128, "dims", "keys", "tma", "values", "last", None)]
+    runs += [(128, "dims", "loads", "tma", "none", "last", None)]
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", "full", "bulk", "values", "last")]
-    runs += [(128, "dims", "loads", "bulk", "none", "last")]
+    runs += [(128, "dims", "full", "bulk", "values", "last", None)]
+    runs += [(128, "dims", "loads", "bulk", "none", "last", None)]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -257,9 +259,10 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, overlap, mask in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy, overlap, mask, nc in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap, mask=mask):
+            def call(c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap, mask=mask, nc=nc):
+                n_pad, streams = nc or (None, None)
                 return gm.lowbit_partials(
                     qg,
                     c["ls"],
@@ -271,6 +274,8 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     code_copy=copy,
                     overlap=overlap,
                     mask=mask,
+                    n_pad=n_pad,
+                    streams=streams,
                     columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
@@ -278,6 +283,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name += "_bulk" if copy == "bulk" else ""
             name += f"_overlap_{overlap}" if overlap != "none" else ""
             name += "_mask_every" if mask == "every" else ""
+            name += f"_n{nc[0]}_streams{nc[1]}" if nc else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),

@@ -86,7 +86,19 @@ OVERLAPS = ("none", "values")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
-GROUP_PAD = 16  # N of the MMAs: 32-byte float16 rows, the narrowest swizzle
+GROUP_PAD = 16  # N of the MMAs at most: the largest GQA group served
+# N of the MMAs for groups of up to 8 query heads (Qwen3-8B's 4): half the softmax, rescale
+# and probability-store work of N = 16 per step (the [tile, N] tiles are elementwise).
+NARROW_PAD = 8
+# Token streams on the MMA columns: with a group of up to 4 a 128-token step's two 64-token
+# halves are two streams side by side in one [64, 8] logits tile (stream t's query block in
+# columns [4t, 4t + 4), its tokens as the A operand against it), each its own softmax and a
+# partial of its own; the elementwise work per token is that of N = 4.
+STREAMS = (1, 2)
+# The probabilities' shared tile is stored transposed, [N, tile] with tokens contiguous (a
+# K-major B operand whatever N is: a [tile, 8] float16 tile's 16-byte rows have no swizzle);
+# 64-byte swizzle: a 2-bit value plane's 32 tokens are one swizzle column.
+P_SWIZZLE = 64
 STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
 # valid-token count) is padded to 32 int32 entries.
@@ -179,7 +191,7 @@ _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, 
 
 
 def _kernel(
-    q_gmem,  # f16[B, Hkv, N, d] transformed query, times scale_log2
+    q_gmem,  # f16[B, Hkv, streams, N, d] transformed query, times scale_log2, per stream
     kc_gmem,  # u8[P, Hkv, page, W]
     vc_gmem,  # u8[P, Hkv, page, W] or [P, Hkv, d, page / n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
@@ -212,19 +224,24 @@ def _kernel(
     mask: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
-    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p f16[tile, N].
-    (k_smem, v_smem, meta_smem, p_smem), out_smem = ring
+    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile].
+    (k_smem, v_smem, meta_smem, pt_smem), out_smem = ring
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
     si = lax.axis_index("s")
-    d = q_smem.shape[0] * q_smem.shape[-1]
+    # q_smem [n, streams, N, W]: per plane and token stream, the query block whose rows are
+    # the stream's columns (the other rows zero).
+    n_planes, streams, npad, width = q_smem.shape
+    d = n_planes * width
+    rows = tile // streams  # accumulator rows: token r of every stream
+    gcol = npad // streams  # columns of one stream
     v_width = d // layout.codes_per_byte(v_bits)
     tiles_per_page = page // tile
-    width = q_smem.shape[-1]
-    for p in range(q_smem.shape[0]):  # plane p: the query's columns [p W, (p + 1) W)
-        plgpu.copy_gmem_to_smem(
-            q_gmem.at[bi, h, :, pl.ds(p * width, width)], q_smem.at[p], bar_in.at[0]
-        )
+    for p in range(n_planes):  # plane p: the query's columns [p W, (p + 1) W)
+        for t in range(streams):
+            plgpu.copy_gmem_to_smem(
+                q_gmem.at[bi, h, t, :, pl.ds(p * width, width)], q_smem.at[p, t], bar_in.at[0]
+            )
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
@@ -263,15 +280,26 @@ def _kernel(
 
     def query_sums(acc_ref):  # sum(q) per column on the tensor cores: a ones tile @ q^T
         ones = plgpu.layout_cast(jnp.full((TILE, width), 1.0, jnp.float16), plgpu.Layout.WGMMA)
-        for p in range(q_smem.shape[0]):
-            plgpu.wgmma(acc_ref, ones, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
+        for p in range(n_planes):
+            for t in range(streams):
+                plgpu.wgmma(acc_ref, ones, plgpu.transpose_ref(q_smem.at[p, t], (1, 0)))
         return acc_ref[...]
 
     # Every row holds the same sums of the float16 query the key MMAs read.
-    qsum = pl.run_scoped(query_sums, plgpu.ACC((TILE, GROUP_PAD), jnp.float32)).max(axis=0)
-    shape = (tile, GROUP_PAD)
+    qsum = pl.run_scoped(query_sums, plgpu.ACC((TILE, npad), jnp.float32)).max(axis=0)
+    shape = (rows, npad)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
+    # Which stream a column belongs to (a function of the lane: no per-step cost).
+    col_stream = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) // gcol
+    row_tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    tok_in_step = row_tok + col_stream * rows  # the token of element (r, c) within a step
+
+    def per_element(vectors):  # one [rows] vector per stream -> [rows, N]
+        out = bcast_row(vectors[0])
+        for t in range(1, streams):
+            out = jnp.where(col_stream == t, bcast_row(vectors[t]), out)
+        return out
 
     def planes(tile_ref, bits):
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
@@ -280,15 +308,19 @@ def _kernel(
         n = layout.codes_per_byte(bits)
         return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
 
-    def meta(r, slot):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero
-        stored = plgpu.load(meta_smem.at[r, slot], (), layout=row)
-        if not meta_u8:
-            return stored.astype(jnp.float32)
-        # The 8-bit encoding decodes with integer ops and a bitcast (layout.py): the same
-        # float32 the reference reconstructs.
-        if r % 2 == 0:
-            return layout.decode_scale(stored)
-        return layout.decode_zero(stored, k_bits if r < 2 else v_bits)
+    def meta(r, slot):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero; [rows, N]
+        vectors = []
+        for t in range(streams):
+            stored = plgpu.load(meta_smem.at[r, slot, pl.ds(t * rows, rows)], (), layout=row)
+            if not meta_u8:
+                vectors.append(stored.astype(jnp.float32))
+            # The 8-bit encoding decodes with integer ops and a bitcast (layout.py): the
+            # same float32 the reference reconstructs.
+            elif r % 2 == 0:
+                vectors.append(layout.decode_scale(stored))
+            else:
+                vectors.append(layout.decode_zero(stored, k_bits if r < 2 else v_bits))
+        return per_element(vectors)
 
     def step(i, carry, acc_ref, masked):
         m_i, l_i, zc = carry
@@ -303,26 +335,27 @@ def _kernel(
         if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
             return carry
 
-        def keys(acc_ref):
-            for p, plane in enumerate(planes(k_smem.at[slot], k_bits)):
-                plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p], (1, 0)))
+        def keys(acc_ref):  # stream t's tokens against its query block
+            for t in range(streams):
+                tokens = k_smem.at[slot, pl.ds(t * rows, rows)]
+                for p, plane in enumerate(planes(tokens, k_bits)):
+                    plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p, t], (1, 0)))
             return acc_ref[...]  # waits for every MMA in flight
 
         raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = meta(0, slot), meta(1, slot)
-        logits = bcast_row(ks) * (raw - bcast_row(kz) * bcast_col(qsum))
+        logits = ks * (raw - kz * bcast_col(qsum))
         if masked:  # the split's last step: tokens past `count` (their pages may hold NaN)
-            tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-            valid = tok + i * tile < count
+            valid = tok_in_step + i * tile < count
             logits = jnp.where(valid, logits, da.NEG_INF)
         m_new = jnp.maximum(m_i, logits.max(axis=0))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits - bcast_col(m_new))
         vs, vz = meta(2, slot), meta(3, slot)
-        pv = p * bcast_row(vs)
+        pv = p * vs
         if masked:
             pv = jnp.where(valid, pv, 0.0)
-        pvz = pv * bcast_row(vz)
+        pvz = pv * vz
         if masked:
             pvz = jnp.where(valid, pvz, 0.0)
         # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
@@ -339,24 +372,31 @@ def _kernel(
         else:
             for c, plane in enumerate(planes(v_smem.at[slot], v_bits)):
                 v16_smem.at[:, pl.ds(c * v_width, v_width)][...] = plane
-        p_smem[...] = pv.astype(jnp.float16)
+        # Stream t's tokens are columns [t rows, (t + 1) rows) of p^T, nonzero only in the
+        # stream's rows. Two lanes swap halves of their 2x2 blocks (one shuffle per
+        # register) so the tile stores transposed.
+        for t in range(streams):
+            part = pv if streams == 1 else jnp.where(col_stream == t, pv, 0.0)
+            pt = plgpu.layout_cast(part.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(pt_smem.at[:, pl.ds(t * rows, rows)], (1, 0))[...] = pt
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
         # Reading the accumulator waits for every MMA in flight: with overlap="values" the
         # previous step's value MMAs ran under this step's loads, key unpack and key MMAs.
-        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (d, GROUP_PAD), [1])
+        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (d, npad), [1])
+        p_ref = plgpu.transpose_ref(pt_smem, (1, 0))  # [tile, N]
         if value_layout == "dims":
             kb = tile // len(v_planes)
             for c, plane in enumerate(v_planes):
-                plgpu.wgmma(acc_ref, plane, p_smem.at[pl.ds(c * kb, kb)])
+                plgpu.wgmma(acc_ref, plane, p_ref.at[pl.ds(c * kb, kb)])
         else:
-            plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_smem)
+            plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_ref)
         if overlap != "values":
             plgpu.wgmma_wait(0)
         return m_new, l_i, zc
 
     wgmma_layout = plgpu.Layout.WGMMA
     carry = (
-        plgpu.layout_cast(jnp.full((GROUP_PAD,), da.NEG_INF, jnp.float32), col),
+        plgpu.layout_cast(jnp.full((npad,), da.NEG_INF, jnp.float32), col),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
     )
@@ -371,10 +411,10 @@ def _kernel(
         out = lax.fori_loop(n_full, n_steps, functools.partial(body, masked=True), out)
         return acc_ref[...], *out
 
-    acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, GROUP_PAD), jnp.float32))
+    acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
-    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, GROUP_PAD), [1])
+    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, npad), [1])
     vec_smem.at[0][...] = m_i
     vec_smem.at[1][...] = l_i
     plgpu.commit_smem()
@@ -399,16 +439,24 @@ def lowbit_partials(
     int_to_float: str = "asm",
     overlap: str = "values",
     mask: str = "last",
+    n_pad: int | None = None,
+    streams: int | None = None,
     columns: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Split partials over the low-bit pages: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,group]).
+    """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
+    ``S' = S * streams``.
 
     ``acc`` is unnormalised and in the transformed frame; ``m``/``l`` are base-2 running max
     and denominator, as the Triton body returns them. ``bits`` is the keys' width, ``bits_v``
     the values' (default: the same); scale/zero may be float16 or the 8-bit encoding
     (`layout.META_U8`, decoded in the kernel; 128-token pages). ``columns``: the kernel's own
-    layout instead, query rows last and padded to ``GROUP_PAD`` (acc f32[B,Hkv,S,d,N], m, l
-    f32[B,Hkv,S,N]).
+    layout instead, query rows last and padded to ``N`` (acc f32[B,Hkv,S,d,N], m, l
+    f32[B,Hkv,S,N]). ``n_pad``: that ``N`` (default `NARROW_PAD` for groups of up to 8, else
+    `GROUP_PAD`; 16 is the twin the tests compare the narrow tiles against). ``streams``:
+    token streams on the MMA columns (`STREAMS`; default 2 where a step holds 128 tokens and
+    the group fits half of ``N``), each with its own softmax state: a partial of its own,
+    split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
+    column ``t * N / streams + g``.
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -442,9 +490,25 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
-    # The query as float16, as the MMAs read it (its planes are column blocks, copied apart).
+    if n_pad is None:
+        n_pad = NARROW_PAD if group <= NARROW_PAD else GROUP_PAD
+    if n_pad not in (NARROW_PAD, GROUP_PAD) or group > n_pad:
+        raise ValueError(f"n_pad={n_pad} must be {NARROW_PAD} or {GROUP_PAD} and >= {group=}")
+    tile = MAX_TILE if page % MAX_TILE == 0 else TILE
+    if streams is None:
+        streams = STREAMS[-1] if tile == MAX_TILE and group <= n_pad // STREAMS[-1] else 1
+    if streams not in STREAMS or tile // streams < TILE or group > n_pad // streams:
+        raise ValueError(
+            f"streams={streams} must be one of {STREAMS} with {tile // TILE} MMA row tiles "
+            f"per step and {group=} <= n_pad/streams={n_pad // streams}"
+        )
+    # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
+    # once per stream in that stream's columns: [B, Hkv, streams, N, d].
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, GROUP_PAD - group), (0, 0)))
+    gcol = n_pad // streams
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gcol - group), (0, 0)))
+    qs = jnp.einsum("bhgd,tu->bhtugd", qs, jnp.eye(streams, dtype=qs.dtype))
+    qs = qs.reshape(b, hkv, streams, n_pad, d)
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
     count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
@@ -457,7 +521,6 @@ def lowbit_partials(
     if any(a.dtype != meta_dtype for a in metas):
         metas = [a.astype(meta_dtype) for a in metas]
 
-    tile = MAX_TILE if page % MAX_TILE == 0 else TILE
     n_v = layout.codes_per_byte(bits_v)
     v_cols = tile // n_v if value_layout == "dims" else d // n_v
     if code_copy == "bulk" and (width, v_cols) != (32, 32):
@@ -476,7 +539,8 @@ def lowbit_partials(
         v16_smem = plgpu.SMEM((8, 8), jnp.float16)  # unused
     else:
         v_smem = code_tiles(tile, v_cols)
-        v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(2 * GROUP_PAD))
+        # Read transposed by the MMA beside the probabilities: the same swizzle.
+        v16_smem = plgpu.SMEM((tile, d), jnp.float16, transforms=_swizzled(P_SWIZZLE))
     kernel = functools.partial(
         _kernel,
         k_bits=bits,
@@ -505,26 +569,26 @@ def lowbit_partials(
             code_tiles(tile, width),
             v_smem,
             plgpu.SMEM((4, STAGES, tile), meta_dtype),
-            plgpu.SMEM((tile, GROUP_PAD), jnp.float16, transforms=_swizzled(2 * GROUP_PAD)),
+            plgpu.SMEM((n_pad, tile), jnp.float16, transforms=_swizzled(P_SWIZZLE)),
         ),
-        plgpu.SMEM((d, GROUP_PAD), jnp.float32),
+        plgpu.SMEM((d, n_pad), jnp.float32),
     )
     scratch = dict(
-        q_smem=plgpu.SMEM((n, GROUP_PAD, width), jnp.float16, transforms=_swizzled(2 * width)),
+        q_smem=plgpu.SMEM((n, streams, n_pad, width), jnp.float16, transforms=_swizzled(2 * width)),
         tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
         ring=ring,
         v16_smem=v16_smem,
-        vec_smem=plgpu.SMEM((2, GROUP_PAD), jnp.float32),
-        bar_in=plgpu.Barrier(num_arrivals=n + 1, num_barriers=1),
+        vec_smem=plgpu.SMEM((2, n_pad), jnp.float32),
+        bar_in=plgpu.Barrier(num_arrivals=n * streams + 1, num_barriers=1),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
     acc, m, l = plgpu.kernel(
         kernel,
         compiler_params=params,
         out_type=(
-            jax.ShapeDtypeStruct((b, hkv, s, d, GROUP_PAD), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, GROUP_PAD), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, d, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
         ),
         grid=(b, hkv, s),
         grid_names=("b", "h", "s"),
@@ -532,8 +596,21 @@ def lowbit_partials(
     )(qs, kc, vc, *metas, tab_ext)
     if columns:
         return acc, m, l
-    acc = acc[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, group, d]
-    return acc, m[..., :group], l[..., :group]
+    return rows_of_columns(acc, m, l, streams=streams, group=group)
+
+
+def rows_of_columns(
+    acc: jax.Array, m: jax.Array, l: jax.Array, *, streams: int, group: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel's column layout (acc f32[B,Hkv,S,d,N], m, l f32[B,Hkv,S,N]) as split rows:
+    acc f32[B,Hkv,S*streams,group,d], m, l f32[B,Hkv,S*streams,group] (one XLA fusion for
+    ``acc``; ``m``, ``l`` are reshapes)."""
+    b, hkv, s, d, n_pad = acc.shape
+    gcol = n_pad // streams
+    acc = acc.reshape(b, hkv, s, d, streams, gcol)[..., :group]
+    acc = acc.transpose(0, 1, 2, 4, 5, 3).reshape(b, hkv, s * streams, group, d)
+    m, l = (a.reshape(b, hkv, s * streams, gcol)[..., :group] for a in (m, l))
+    return acc, m, l
 
 
 # ------------------------------------------------------------------------------------------
@@ -571,8 +648,8 @@ def paged_decode(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials of both page sets as pairs ``(acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)``:
     the full-precision set as the Triton body returns it (``fp_set``'s table holds its own
-    splits, `FP_PAGES_PER_SPLIT`); the low-bit set's ``acc`` transposed to rows (one XLA
-    fusion), its ``m``, ``l`` as the kernel wrote them (``N`` columns, the first ``g`` read).
+    splits, `FP_PAGES_PER_SPLIT`); the low-bit set in split rows (`rows_of_columns`: each
+    token stream a split of its own).
     `merge_splits` takes the pairs: no concatenation."""
     if query_transform is not None or value_inverse is not None:
         raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
@@ -601,11 +678,9 @@ def paged_decode(
         value_layout=cfg.value_layout,
         code_copy=cfg.gather,
         int_to_float=cfg.int_to_float,
-        columns=True,
     )
-    # The merge kernel's strided loads of the column layout measured 30 us at 1 x 64k (run 53)
-    # against ~5 us for this transpose plus the row-layout merge.
-    acc_q = acc_q[..., :group].transpose(0, 1, 2, 4, 3)  # [B, Hkv, S, g, d]
+    # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout
+    # measured 30 us at 1 x 64k (run 53) against ~5 us for this transpose plus the row merge.
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 
 

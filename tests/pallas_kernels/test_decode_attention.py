@@ -579,8 +579,27 @@ def test_mosaic_masking_only_the_last_step_matches_masking_every_step(case: Case
     _check_schedule(case, dict(mask="last"), dict(mask="every"), run=True)
 
 
+@pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
+def test_mosaic_narrow_mma_columns_match_sixteen(case: Case):
+    _check_schedule(case, dict(n_pad=8, streams=1), dict(n_pad=16, streams=1), run=True)
+
+
+@pytest.mark.parametrize("case", _OVERLAP_CASES[:2], ids=str)
+def test_mosaic_two_token_streams_merge_to_one(case: Case):
+    _check_schedule(case, dict(n_pad=8, streams=2), dict(n_pad=8, streams=1), run=True)
+
+
 @pytest.mark.parametrize(
-    "schedule", [dict(overlap="none"), dict(overlap="values"), dict(mask="every")], ids=str
+    "schedule",
+    [
+        dict(overlap="none"),
+        dict(overlap="values"),
+        dict(mask="every"),
+        dict(n_pad=16),
+        dict(streams=1),
+        dict(streams=2),
+    ],  # fmt: skip
+    ids=str,
 )
 def test_mosaic_schedules_lower_for_cuda(schedule: dict):
     _check_schedule(_OVERLAP_CASES[0], schedule, None, run=False)
@@ -589,7 +608,9 @@ def test_mosaic_schedules_lower_for_cuda(schedule: dict):
 def _check_schedule(case: Case, got_kw: dict, want_kw: dict | None, *, run: bool):
     """A Mosaic body schedule gives its twin's split partials: the overlapped MMA schedule the
     serial one's (the same operations; only where the warpgroup waits for its MMAs moves),
-    masking only a split's last step the masking of every step (full steps are all valid)."""
+    masking only a split's last step the masking of every step (full steps are all valid),
+    N = 8 MMA columns N = 16 (each column's dot and reductions are the same); two token
+    streams one after merging (each stream is a split of half the tokens)."""
     if run and not _has_gpu():
         pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
     from pallas_kernels.decode_attention import gpu_mosaic as gm
@@ -609,8 +630,18 @@ def _check_schedule(case: Case, got_kw: dict, want_kw: dict | None, *, run: bool
         return
     want = gm.lowbit_partials(qg, lowbit_set, **kw, **want_kw)
     got = gm.lowbit_partials(qg, lowbit_set, **kw, **got_kw)
+    if got[0].shape != want[0].shape:  # streams: other splits, the same merged attention
+        got, want = (_merge_partials(*x) for x in (got, want))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def _merge_partials(acc, m, l):
+    """Log-sum-exp merge over the split axis of (acc [B,H,S,g,d], m, l [B,H,S,g], base 2)."""
+    acc, m, l = (np.asarray(a, np.float64) for a in (acc, m, l))
+    top = m.max(axis=2, keepdims=True)
+    w = np.exp2(m - top)
+    return ((w[..., None] * acc).sum(axis=2) / (w * l).sum(axis=2)[..., None],)
 
 
 _BULK_CASES = [c for c in MOSAIC_CASES if c.gather == "bulk"]
