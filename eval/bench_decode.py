@@ -414,9 +414,10 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
         dict(lowbit_page_size=128),
     ),
-    "int2_mosaic_vdims_bulk": (
+    # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).
+    "int2_mosaic_vdims_tma": (
         2,
-        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims", gather="bulk"),
+        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims", gather="tma"),
         dict(lowbit_page_size=128),
     ),
     "int4_mosaic_vdims": (

@@ -77,8 +77,9 @@ MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA
 STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a step does
 # How code tiles reach shared memory: "tma" is a tensor-map copy into a swizzled tile (a box
 # of 32-byte rows); "bulk" is one `cp.async.bulk` of the tile's contiguous bytes into an
-# unswizzled tile (a [page, d/n] code tile is contiguous in the pool).
-CODE_COPIES = ("tma", "bulk")
+# unswizzled tile (a [page, d/n] code tile is contiguous in the pool; 32-byte rows only);
+# "auto": bulk where the rows allow (run 56: 0.390 vs 0.403 ms at 8 x 128k), else tma.
+CODE_COPIES = ("auto", "tma", "bulk")
 # What runs under the MMAs in flight: "none" waits after each product (the serial twin);
 # "values" leaves a step's value MMAs in flight over the next step's loads, key unpack and
 # key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k).
@@ -435,7 +436,7 @@ def lowbit_partials(
     stage: str = "full",
     value_layout: str = "tokens",
     auto_barriers: bool = False,
-    code_copy: str = "tma",
+    code_copy: str = "auto",
     int_to_float: str = "asm",
     overlap: str = "values",
     mask: str = "last",
@@ -523,6 +524,8 @@ def lowbit_partials(
 
     n_v = layout.codes_per_byte(bits_v)
     v_cols = tile // n_v if value_layout == "dims" else d // n_v
+    if code_copy == "auto":
+        code_copy = "bulk" if (width, v_cols) == (32, 32) else "tma"
     if code_copy == "bulk" and (width, v_cols) != (32, 32):
         # jax 0.10.2 finds no bank-conflict-free register load of wider unswizzled rows
         # (0.11.2 ran 64-byte rows correctly in run 42; 32-byte rows are what was timed).
@@ -627,7 +630,7 @@ HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
 INT_TO_FLOAT = ("exponent", "asm")  # `_plane_to_f16`, `_planes_asm`
 ROW_SUMS = ("deferred",)
-DEFAULT_GATHER = "tma"
+DEFAULT_GATHER = "auto"
 DEFAULT_INT_TO_FLOAT = "asm"  # run 48: 0.518 vs 0.595 ms at 8 x 128k, 2 bits
 DEFAULT_ROW_SUMS = "deferred"
 DEFAULT_PAGES_PER_BLOCK = 1  # split-table unit: a low-bit page is one or more whole tiles

@@ -630,10 +630,14 @@ def _check_schedule(case: Case, got_kw: dict, want_kw: dict | None, *, run: bool
         return
     want = gm.lowbit_partials(qg, lowbit_set, **kw, **want_kw)
     got = gm.lowbit_partials(qg, lowbit_set, **kw, **got_kw)
+    tol = dict(rtol=1e-5, atol=1e-5)
     if got[0].shape != want[0].shape:  # streams: other splits, the same merged attention
         got, want = (_merge_partials(*x) for x in (got, want))
+        # p goes to the MMA in float16 relative to each stream's own running max (run 56:
+        # up to 7.4e-5 apart on outputs of order 1e-2).
+        tol = dict(rtol=2e-3, atol=2e-4)
     for g, w in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **tol)
 
 
 def _merge_partials(acc, m, l):
