@@ -8,9 +8,13 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   planar-packed key codes (`pallas_kernels.layout`) is loaded to registers once; plane ``i``
   is already a ``[tile, d/n]`` array in the MMA's A layout, so
   ``logits^T[tile, N] = sum_i plane_i @ q_i^T`` is ``n`` warpgroup MMAs of K = d/n against the
-  matching column block of the transformed query (shared memory, group padded to N = 16;
-  each block is its own TMA box of the float16 query). ``sum(q)`` per column comes from the
-  same float16 values once per CTA, on the tensor cores (a ones tile times the planes).
+  matching column block of the transformed query (shared memory, group padded to N = 8, or
+  16 for groups over 8; each block is its own TMA box of the float16 query). With a group of
+  up to 4 and 128-token steps, the step's two 64-token halves are two **token streams** in one
+  ``[64, 8]`` tile (`STREAMS`): each half's codes against a query block holding the query in
+  its own four columns, each stream with its own softmax state and partial. ``sum(q)`` per
+  column comes from the same float16 values once per CTA, on the tensor cores (a ones tile
+  times the planes).
   A plane becomes float16 without an integer-to-float conversion: a mask, an OR under a
   float16 exponent and a subtraction, two codes per 32-bit instruction, written in inline PTX
   (`_planes_asm`, the default) or in jnp ops (`_plane_to_f16`, ``int_to_float="exponent"``,
@@ -21,7 +25,9 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   different widths (a bit allocation's layers).
 * **Softmax over the token axis** (axis 0 of the accumulator: a cross-warp reduction), base 2,
   the query carrying ``sm_scale * log2(e)``.
-* **Values** ``O^T[d, N] = V^T (p s)`` with ``p * s_v`` as the B operand (shared memory) and
+* **Values** ``O^T[d, N] = V^T (p s)`` with ``p * s_v`` as the B operand (shared memory,
+  stored transposed: ``[N, tile]``, tokens contiguous, each stream's tokens zero outside its
+  columns) and
   the zero-point term ``sum_t p_t s_t z_t`` a column sum. With dimension-major value pages
   (`layout.VALUE_LAYOUTS` ``"dims"``, 128-token pages) each plane of the ``[d, tile/n]`` code
   tile is the register A operand over ``tile/n`` tokens. With token-major pages the planes are
