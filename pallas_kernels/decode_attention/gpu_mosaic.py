@@ -497,18 +497,8 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
-    if n_pad is None:
-        n_pad = NARROW_PAD if group <= NARROW_PAD else GROUP_PAD
-    if n_pad not in (NARROW_PAD, GROUP_PAD) or group > n_pad:
-        raise ValueError(f"n_pad={n_pad} must be {NARROW_PAD} or {GROUP_PAD} and >= {group=}")
+    n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
-    if streams is None:
-        streams = STREAMS[-1] if tile == MAX_TILE and group <= n_pad // STREAMS[-1] else 1
-    if streams not in STREAMS or tile // streams < TILE or group > n_pad // streams:
-        raise ValueError(
-            f"streams={streams} must be one of {STREAMS} with {tile // TILE} MMA row tiles "
-            f"per step and {group=} <= n_pad/streams={n_pad // streams}"
-        )
     # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
     # once per stream in that stream's columns: [B, Hkv, streams, N, d].
     qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
@@ -605,20 +595,42 @@ def lowbit_partials(
     )(qs, kc, vc, *metas, tab_ext)
     if columns:
         return acc, m, l
-    return rows_of_columns(acc, m, l, streams=streams, group=group)
+    acc, m, l = rows_of_columns(acc, m, l, streams=streams, group=group)
+    return acc, m[..., :group], l[..., :group]
+
+
+def mma_columns(
+    group: int, page: int, n_pad: int | None = None, streams: int | None = None
+) -> tuple[int, int]:
+    """(N, token streams) of the kernel for a group and low-bit page size: the given values
+    checked, or the defaults (`NARROW_PAD` for groups of up to 8; two streams where a step
+    holds 128 tokens and the group fits half of N)."""
+    if n_pad is None:
+        n_pad = NARROW_PAD if group <= NARROW_PAD else GROUP_PAD
+    if n_pad not in (NARROW_PAD, GROUP_PAD) or group > n_pad:
+        raise ValueError(f"n_pad={n_pad} must be {NARROW_PAD} or {GROUP_PAD} and >= {group=}")
+    tile = MAX_TILE if page % MAX_TILE == 0 else TILE
+    if streams is None:
+        streams = STREAMS[-1] if tile == MAX_TILE and group <= n_pad // STREAMS[-1] else 1
+    if streams not in STREAMS or tile // streams < TILE or group > n_pad // streams:
+        raise ValueError(
+            f"streams={streams} must be one of {STREAMS} with {tile // TILE} MMA row tiles "
+            f"per step and {group=} <= n_pad/streams={n_pad // streams}"
+        )
+    return n_pad, streams
 
 
 def rows_of_columns(
     acc: jax.Array, m: jax.Array, l: jax.Array, *, streams: int, group: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The kernel's column layout (acc f32[B,Hkv,S,d,N], m, l f32[B,Hkv,S,N]) as split rows:
-    acc f32[B,Hkv,S*streams,group,d], m, l f32[B,Hkv,S*streams,group] (one XLA fusion for
-    ``acc``; ``m``, ``l`` are reshapes)."""
+    acc f32[B,Hkv,S*streams,group,d] (one XLA fusion), m, l f32[B,Hkv,S*streams,N/streams]
+    (reshapes, no copy: rows past ``group`` are padding the merge kernel does not read)."""
     b, hkv, s, d, n_pad = acc.shape
     gcol = n_pad // streams
     acc = acc.reshape(b, hkv, s, d, streams, gcol)[..., :group]
     acc = acc.transpose(0, 1, 2, 4, 5, 3).reshape(b, hkv, s * streams, group, d)
-    m, l = (a.reshape(b, hkv, s * streams, gcol)[..., :group] for a in (m, l))
+    m, l = (a.reshape(b, hkv, s * streams, gcol) for a in (m, l))
     return acc, m, l
 
 
@@ -687,9 +699,12 @@ def paged_decode(
         value_layout=cfg.value_layout,
         code_copy=cfg.gather,
         int_to_float=cfg.int_to_float,
+        columns=True,
     )
     # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout
     # measured 30 us at 1 x 64k (run 53) against ~5 us for this transpose plus the row merge.
+    _, streams = mma_columns(group, lowbit_set[0].shape[2])
+    acc_q, m_q, l_q = rows_of_columns(acc_q, m_q, l_q, streams=streams, group=group)
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 
 
