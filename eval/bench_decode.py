@@ -237,7 +237,8 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     key = jax.random.key(batch * 31 + ctx)
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
-    # (page, value layout, stage, code copies, overlap, mask, (MMA columns, token streams)):
+    # (page, value layout, stage, code copies, overlap, mask, (MMA columns, token streams),
+    # key operands):
     # sessions 12-14's rows (jnp unpack, token-major values, the serial schedule, masking
     # every step) are in BENCHMARKS.md. None: the kernel's defaults.
     runs = [(128, "dims", "full", "tma", "values", "last", nc) for nc in ((16, 1), (8, 1), None)]
@@ -246,6 +247,10 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
     runs += [(128, "dims", "full", "bulk", "values", "last", None)]
     runs += [(128, "dims", "loads", "bulk", "none", "last", None)]
+    # Keys as signed 8-bit MMA operands (a shift and a mask per four codes, no conversion).
+    runs += [(128, "dims", st, "bulk", "values", "last", None, "s8") for st in ("full", "keys")]
+    runs += [(128, "dims", "keys", "bulk", "values", "last", None)]
+    runs = [r if len(r) == 8 else (*r, "f16") for r in runs]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -259,9 +264,11 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, overlap, mask, nc in [r for r in runs if r[:2] == (page_q, vl)]:
+        for _, _, stage, copy, overlap, mask, nc, ko in [r for r in runs if r[:2] == (page_q, vl)]:
 
-            def call(c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap, mask=mask, nc=nc):
+            def call(
+                c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap, mask=mask, nc=nc, ko=ko
+            ):
                 n_pad, streams = nc or (None, None)
                 return gm.lowbit_partials(
                     qg,
@@ -276,6 +283,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     mask=mask,
                     n_pad=n_pad,
                     streams=streams,
+                    key_operand=ko,
                     columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
@@ -284,6 +292,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name += f"_overlap_{overlap}" if overlap != "none" else ""
             name += "_mask_every" if mask == "every" else ""
             name += f"_n{nc[0]}_streams{nc[1]}" if nc else ""
+            name += "_s8_keys" if ko == "s8" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),

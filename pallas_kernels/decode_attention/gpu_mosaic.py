@@ -93,6 +93,13 @@ OVERLAPS = ("none", "values")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
+# The key MMA's operands: "f16" (codes converted to float16, the float16 query) or "s8" (codes
+# as signed 8-bit integers, one shift and one mask per four codes; the query split into high
+# and low 8-bit parts, q ~ s_q (hi + lo / 254), side by side in 2N columns of an int32
+# accumulator: exact integer sums, ~2^-16 of max|q| against float16's 2^-11 of |q|).
+KEY_OPERANDS = ("f16", "s8")
+_LO = 254.0  # weight of the low part of an 8-bit split: its residual spans [-1/2, 1/2]
+_S8_K = 64  # K of an 8-bit register-operand MMA group (a 64-byte swizzle; 32 is refused)
 GROUP_PAD = 16  # N of the MMAs at most: the largest GQA group served
 # N of the MMAs for groups of up to 8 query heads (Qwen3-8B's 4): half the softmax, rescale
 # and probability-store work of N = 16 per step (the [tile, N] tiles are elementwise).
@@ -194,11 +201,69 @@ def _planes_asm(codes: jax.Array, bits: int) -> list[jax.Array]:
     return list(unpack(codes))
 
 
+def _planes_s8(codes: jax.Array, bits: int) -> list[jax.Array]:
+    """The planes of a uint8 code tile (`plgpu.Layout.WGMMA_8BIT`) as signed 8-bit MMA
+    operands of K = 64: a shift and a mask per 32-bit register (four codes), no conversion.
+
+    Plane ``i`` of ``[rows, W]`` bytes holds dims ``[i W, (i + 1) W)``; with W = 32 two
+    neighbouring planes are concatenated along K (their register tiles side by side), so
+    group ``g`` covers dims ``[64 g, 64 g + 64)`` and meets that block of the query.
+    """
+    n = layout.codes_per_byte(bits)
+    rows, width = codes.shape
+    per_group = _S8_K // width
+    groups = n // per_group
+    out = tuple(
+        plgpu.ShapeDtypeStruct((rows, _S8_K), jnp.int8, layout=plgpu.Layout.WGMMA_8BIT)
+        for _ in range(groups)
+    )
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,), return_type=out)
+    def unpack(_, arr):
+        i32 = ir.IntegerType.get_signless(32)
+        vec = arr.registers.flat[0].type
+        mask = arith.constant(i32, ((1 << bits) - 1) * 0x01010101)
+        planes = []
+        for i in range(n):
+            regs = np.empty_like(arr.registers)
+            for idx, reg in np.ndenumerate(arr.registers):
+                word = mgpu_utils.bitcast(reg, i32)
+                if i:
+                    word = arith.shrui(word, arith.constant(i32, bits * i))
+                regs[idx] = mgpu_utils.bitcast(arith.andi(word, mask), vec)
+            planes.append(regs)
+        return tuple(
+            mgpu.FragmentedArray(
+                _registers=np.concatenate(planes[g * per_group : (g + 1) * per_group], axis=1),
+                _layout=arr.layout,
+                _is_signed=True,
+            )
+            for g in range(groups)
+        )
+
+    return list(unpack(codes))
+
+
+def split_query_s8(qf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(hi, lo int8, s_q f32[..., 1], sum f32[...]) of f32 queries ``[..., d]``:
+    ``q ~ s_q (hi + lo / 254)`` per query row, and the sum of that reconstruction (what the
+    zero-point term must cancel against)."""
+    sq = jnp.max(jnp.abs(qf), axis=-1, keepdims=True) / 127.0
+    sq = jnp.where(sq > 0, sq, 1.0)
+    u = qf / sq
+    hi = jnp.round(u)
+    lo = jnp.clip(jnp.round((u - hi) * _LO), -127, 127)
+    total = sq[..., 0] * (hi.sum(-1) + lo.sum(-1) / _LO)
+    return hi.astype(jnp.int8), lo.astype(jnp.int8), sq, total
+
+
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
 
 
 def _kernel(
     q_gmem,  # f16[B, Hkv, streams, N, d] transformed query, times scale_log2, per stream
+    # (s8 keys: int8[B, Hkv, streams, 2N, d], the high parts in rows [0, N), the low in [N, 2N))
+    qmeta_gmem,  # f32[B, Hkv, 32]: s8 keys' query scale per column, then sum(q) per column
     kc_gmem,  # u8[P, Hkv, page, W]
     vc_gmem,  # u8[P, Hkv, page, W] or [P, Hkv, d, page / n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
@@ -210,6 +275,7 @@ def _kernel(
     m_gmem,  # f32[B, Hkv, S, N]
     l_gmem,  # f32[B, Hkv, S, N]
     q_smem,
+    qmeta_smem,
     tab_smem,
     ring,  # the loop's buffers, aliased with the epilogue's f32[d, N] output tile
     v16_smem,
@@ -229,6 +295,7 @@ def _kernel(
     asm: bool,
     overlap: str,
     mask: str,
+    key_operand: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
     # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile].
@@ -238,17 +305,28 @@ def _kernel(
     si = lax.axis_index("s")
     # q_smem [n, streams, N, W]: per plane and token stream, the query block whose rows are
     # the stream's columns (the other rows zero).
-    n_planes, streams, npad, width = q_smem.shape
-    d = n_planes * width
+    # s8 keys: q_smem [d / 64, streams, 2N, 64], each K = 64 dims block of the high and low
+    # parts of every stream's query.
+    s8 = key_operand == "s8"
+    width = k_smem.shape[-1]  # code bytes per key row
+    if s8:
+        n_blocks, streams, npad, _ = q_smem.shape
+        npad //= 2
+        d = n_blocks * _S8_K
+    else:
+        n_planes, streams, npad, width = q_smem.shape
+        d = n_planes * width
     rows = tile // streams  # accumulator rows: token r of every stream
     gcol = npad // streams  # columns of one stream
     v_width = d // layout.codes_per_byte(v_bits)
     tiles_per_page = page // tile
-    for p in range(n_planes):  # plane p: the query's columns [p W, (p + 1) W)
+    block = _S8_K if s8 else width
+    for p in range(q_smem.shape[0]):  # plane (or s8 block) p: the query's dims [p W, (p + 1) W)
         for t in range(streams):
             plgpu.copy_gmem_to_smem(
-                q_gmem.at[bi, h, t, :, pl.ds(p * width, width)], q_smem.at[p, t], bar_in.at[0]
+                q_gmem.at[bi, h, t, :, pl.ds(p * block, block)], q_smem.at[p, t], bar_in.at[0]
             )
+    plgpu.copy_gmem_to_smem(qmeta_gmem.at[bi, h], qmeta_smem, bar_in.at[0])
     plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
@@ -292,8 +370,11 @@ def _kernel(
                 plgpu.wgmma(acc_ref, ones, plgpu.transpose_ref(q_smem.at[p, t], (1, 0)))
         return acc_ref[...]
 
-    # Every row holds the same sums of the float16 query the key MMAs read.
-    qsum = pl.run_scoped(query_sums, plgpu.ACC((TILE, npad), jnp.float32)).max(axis=0)
+    if s8:  # the wrapper's sums of the reconstructed query (`split_query_s8`)
+        q_scale = plgpu.load(qmeta_smem.at[pl.ds(0, npad)], (), layout=col)
+        qsum = plgpu.load(qmeta_smem.at[pl.ds(npad, npad)], (), layout=col)
+    else:  # every row holds the same sums of the float16 query the key MMAs read
+        qsum = pl.run_scoped(query_sums, plgpu.ACC((TILE, npad), jnp.float32)).max(axis=0)
     shape = (rows, npad)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
@@ -349,7 +430,21 @@ def _kernel(
                     plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p, t], (1, 0)))
             return acc_ref[...]  # waits for every MMA in flight
 
-        raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
+        def keys_s8(acc_ref):  # [rows, 2N] int32: high parts' sums, then the low parts'
+            for t in range(streams):
+                tokens = k_smem.at[slot, pl.ds(t * rows, rows)]
+                codes = plgpu.load(tokens, (), layout=plgpu.Layout.WGMMA_8BIT)
+                for g, plane in enumerate(_planes_s8(codes, k_bits)):
+                    plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[g, t], (1, 0)))
+            return acc_ref[...]
+
+        if s8:
+            sums = pl.run_scoped(keys_s8, plgpu.ACC((rows, 2 * npad), jnp.int32))
+            hi = sums[:, :npad].astype(jnp.float32)
+            lo = sums[:, npad:].astype(jnp.float32)
+            raw = (hi + lo * (1.0 / _LO)) * bcast_col(q_scale)
+        else:
+            raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
         ks, kz = meta(0, slot), meta(1, slot)
         logits = ks * (raw - kz * bcast_col(qsum))
         if masked:  # the split's last step: tokens past `count` (their pages may hold NaN)
@@ -449,6 +544,7 @@ def lowbit_partials(
     n_pad: int | None = None,
     streams: int | None = None,
     columns: bool = False,
+    key_operand: str = "f16",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -463,7 +559,7 @@ def lowbit_partials(
     token streams on the MMA columns (`STREAMS`; default 2 where a step holds 128 tokens and
     the group fits half of ``N``), each with its own softmax state: a partial of its own,
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
-    column ``t * N / streams + g``.
+    column ``t * N / streams + g``. ``key_operand``: the key MMA's operands (`KEY_OPERANDS`).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -497,15 +593,33 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
+    if key_operand not in KEY_OPERANDS:
+        raise ValueError(f"key_operand={key_operand!r} must be one of {KEY_OPERANDS}")
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
     # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
     # once per stream in that stream's columns: [B, Hkv, streams, N, d].
-    qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
     gcol = n_pad // streams
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gcol - group), (0, 0)))
-    qs = jnp.einsum("bhgd,tu->bhtugd", qs, jnp.eye(streams, dtype=qs.dtype))
-    qs = qs.reshape(b, hkv, streams, n_pad, d)
+    eye = jnp.eye(streams, dtype=jnp.float32)
+    qmeta = jnp.zeros((b, hkv, _COPY_WORDS), jnp.float32)
+    if key_operand == "s8":
+        # [B, Hkv, streams, 2N, d]: stream t's high parts in rows t N/streams + g, its low
+        # parts N rows further; per column its scale and the sum of its reconstruction.
+        hi, lo, sq, total = split_query_s8(qg[:, :, :group] * scale_log2)
+        parts = jnp.stack([hi, lo], axis=2).astype(jnp.float32)  # [B, Hkv, 2, group, d]
+        parts = jnp.pad(parts, ((0, 0), (0, 0), (0, 0), (0, gcol - group), (0, 0)))
+        qs = jnp.einsum("bhjgd,tu->bhtjugd", parts, eye).astype(jnp.int8)
+        qs = qs.reshape(b, hkv, streams, 2 * n_pad, d)
+        cols = [
+            jnp.tile(jnp.pad(v, ((0, 0), (0, 0), (0, gcol - group))), streams)
+            for v in (sq[..., 0], total)
+        ]  # [B, Hkv, N] each
+        qmeta = qmeta.at[..., : 2 * n_pad].set(jnp.concatenate(cols, axis=-1))
+    else:
+        qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
+        qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gcol - group), (0, 0)))
+        qs = jnp.einsum("bhgd,tu->bhtugd", qs, eye.astype(qs.dtype))
+        qs = qs.reshape(b, hkv, streams, n_pad, d)
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
     count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
@@ -554,6 +668,7 @@ def lowbit_partials(
         asm=int_to_float == "asm",
         overlap=overlap,
         mask=mask,
+        key_operand=key_operand,
     )
     # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
     # step). Safe here: a slot is refilled only in the step after its last reads, and every
@@ -573,12 +688,23 @@ def lowbit_partials(
         plgpu.SMEM((d, n_pad), jnp.float32),
     )
     scratch = dict(
-        q_smem=plgpu.SMEM((n, streams, n_pad, width), jnp.float16, transforms=_swizzled(2 * width)),
+        q_smem=(
+            plgpu.SMEM(
+                (d // _S8_K, streams, 2 * n_pad, _S8_K), jnp.int8, transforms=_swizzled(_S8_K, 8)
+            )
+            if key_operand == "s8"
+            else plgpu.SMEM(
+                (n, streams, n_pad, width), jnp.float16, transforms=_swizzled(2 * width)
+            )
+        ),
+        qmeta_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
         tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
         ring=ring,
         v16_smem=v16_smem,
         vec_smem=plgpu.SMEM((2, n_pad), jnp.float32),
-        bar_in=plgpu.Barrier(num_arrivals=n * streams + 1, num_barriers=1),
+        bar_in=plgpu.Barrier(
+            num_arrivals=(d // _S8_K if key_operand == "s8" else n) * streams + 2, num_barriers=1
+        ),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
     acc, m, l = plgpu.kernel(
@@ -592,7 +718,7 @@ def lowbit_partials(
         grid=(b, hkv, s),
         grid_names=("b", "h", "s"),
         scratch_types=scratch,
-    )(qs, kc, vc, *metas, tab_ext)
+    )(qs, qmeta, kc, vc, *metas, tab_ext)
     if columns:
         return acc, m, l
     acc, m, l = rows_of_columns(acc, m, l, streams=streams, group=group)

@@ -589,6 +589,27 @@ def test_mosaic_two_token_streams_merge_to_one(case: Case):
     _check_schedule(case, dict(n_pad=8, streams=2), dict(n_pad=8, streams=1), run=True)
 
 
+@pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
+def test_mosaic_s8_keys_match_f16_keys(case: Case):
+    _check_schedule(case, dict(key_operand="s8"), dict(key_operand="f16"), run=True)
+
+
+@pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
+def test_mosaic_s8_keys_lower_for_cuda(case: Case):
+    _check_schedule(case, dict(key_operand="s8"), None, run=False)
+
+
+def test_split_query_s8_reconstructs_the_query():
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    q = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 4, 128)) * 7.0
+    hi, lo, sq, total = gm.split_query_s8(q)
+    rec = sq * (hi.astype(jnp.float32) + lo.astype(jnp.float32) / 254.0)
+    bound = np.asarray(jnp.max(jnp.abs(q), axis=-1, keepdims=True)) / (127 * 254 * 2)
+    assert (np.abs(np.asarray(rec - q)) <= bound * 1.01).all()
+    np.testing.assert_allclose(np.asarray(total), np.asarray(rec.sum(-1)), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "schedule",
     [
@@ -631,6 +652,9 @@ def _check_schedule(case: Case, got_kw: dict, want_kw: dict | None, *, run: bool
     want = gm.lowbit_partials(qg, lowbit_set, **kw, **want_kw)
     got = gm.lowbit_partials(qg, lowbit_set, **kw, **got_kw)
     tol = dict(rtol=1e-5, atol=1e-5)
+    if got_kw.get("key_operand") == "s8":
+        # The query as 8-bit high and low parts (~2^-16 of max|q|) against float16 (2^-11).
+        tol = dict(rtol=2e-3, atol=2e-4)
     if got[0].shape != want[0].shape:  # streams: other splits, the same merged attention
         got, want = (_merge_partials(*x) for x in (got, want))
         # p goes to the MMA in float16 relative to each stream's own running max (run 56:
