@@ -590,8 +590,40 @@ def test_mosaic_two_token_streams_merge_to_one(case: Case):
 
 
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
-def test_mosaic_s8_keys_match_f16_keys(case: Case):
-    _check_schedule(case, dict(key_operand="s8"), dict(key_operand="f16"), run=True)
+def test_mosaic_s8_keys_as_accurate_as_f16_keys(case: Case):
+    """8-bit key operands against the float32 attention over the low-bit pages, no less
+    accurate than the float16 query (their difference is the float16 query's rounding: run 61
+    measured 4% of partials more than 2e-3 apart, so a twin comparison cannot be tight)."""
+    if not _has_gpu():
+        pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+    from pallas_kernels.decode_attention import reference as ref_mod
+
+    x = make_inputs(case, seed=3)
+    low = x["lowbit"]
+    (kc, ks, kz), (vc, vs, vz) = low.k, low.v
+    lowbit_set = (kc, vc, ks, kz, vs, vz, da_api.split_table(low.table, 3, 1), low.length)
+    qg = x["q"].reshape(case.batch, case.kv_heads, case.group, case.head_dim)
+    bits_v = case.bits if case.bits_v is None else case.bits_v
+    v_tok = vc
+    if case.value_layout == "dims":
+        v_tok = layout.pack_codes(
+            layout.unpack_value_page_dims_major(vc, bits_v, case.lowbit_page), bits_v
+        )
+    kq = ref_mod._dequantize_pages(kc, ks, kz, low.table, case.bits, case.head_dim)
+    vq = ref_mod._dequantize_pages(v_tok, vs, vz, low.table, bits_v, case.head_dim)
+    valid = ref_mod._token_mask(low.length, kq.shape[2])
+    want = np.asarray(ref_mod._ref_attend(qg, [(kq, vq, valid)], 0.1 / np.log2(np.e)))
+    live = np.asarray(low.length) > 0
+    errs = {}
+    for operand in gm.KEY_OPERANDS:
+        got = gm.lowbit_partials(
+            qg, lowbit_set, bits=case.bits, bits_v=case.bits_v, scale_log2=0.1,
+            group=case.group, value_layout=case.value_layout, key_operand=operand,
+        )  # fmt: skip
+        (out,) = _merge_partials(*got)
+        errs[operand] = _rel_err(jnp.asarray(out[live]), jnp.asarray(want[live]))
+    assert errs["s8"] <= max(1.5 * errs["f16"], 1e-4), errs
 
 
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
@@ -652,9 +684,6 @@ def _check_schedule(case: Case, got_kw: dict, want_kw: dict | None, *, run: bool
     want = gm.lowbit_partials(qg, lowbit_set, **kw, **want_kw)
     got = gm.lowbit_partials(qg, lowbit_set, **kw, **got_kw)
     tol = dict(rtol=1e-5, atol=1e-5)
-    if got_kw.get("key_operand") == "s8":
-        # The query as 8-bit high and low parts (~2^-16 of max|q|) against float16 (2^-11).
-        tol = dict(rtol=2e-3, atol=2e-4)
     if got[0].shape != want[0].shape:  # streams: other splits, the same merged attention
         got, want = (_merge_partials(*x) for x in (got, want))
         # p goes to the MMA in float16 relative to each stream's own running max (run 56:
