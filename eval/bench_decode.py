@@ -283,7 +283,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     mask=mask,
                     n_pad=n_pad,
                     streams=streams,
-                    key_operand=ko,
+                    int_to_float="s8" if ko == "s8" else "asm",
                     columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
@@ -423,6 +423,9 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
         dict(lowbit_page_size=128),
     ),
+    # Key codes as signed 8-bit MMA operands (`gpu_mosaic`, int_to_float="s8").
+    "int2_mosaic_vdims_s8": (2, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
+    "int4_mosaic_vdims_s8": (4, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
     # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).
     "int2_mosaic_vdims_tma": (
         2,

@@ -19,6 +19,10 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   float16 exponent and a subtraction, two codes per 32-bit instruction, written in inline PTX
   (`_planes_asm`, the default) or in jnp ops (`_plane_to_f16`, ``int_to_float="exponent"``,
   which Mosaic lowers to about twice the instructions).
+  With ``int_to_float="s8"`` the key codes stay integers: signed 8-bit register operands of
+  K = 64 (a shift and a mask per four codes, `_planes_s8`) against the query's high and low
+  8-bit parts in an int32 accumulator (`split_query_s8`; run 61: split kernel 0.369 -> 0.304
+  ms at 8 x 128k).
   Scales and zero points are applied per token row afterwards
   (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5); float16 or the 8-bit encoding
   (`layout`, decoded in the kernel with the reference's integer ops). Keys and values may have
@@ -93,11 +97,10 @@ OVERLAPS = ("none", "values")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
-# The key MMA's operands: "f16" (codes converted to float16, the float16 query) or "s8" (codes
-# as signed 8-bit integers, one shift and one mask per four codes; the query split into high
-# and low 8-bit parts, q ~ s_q (hi + lo / 254), side by side in 2N columns of an int32
-# accumulator: exact integer sums, ~2^-16 of max|q| against float16's 2^-11 of |q|).
-KEY_OPERANDS = ("f16", "s8")
+# int_to_float="s8" keeps key codes integers: signed 8-bit MMA operands, one shift and one mask
+# per four codes; the query split into high and low 8-bit parts, q ~ s_q (hi + lo / 254), side
+# by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
+# float16's 2^-11 of |q|). The value codes still become float16 ("asm").
 _LO = 254.0  # weight of the low part of an 8-bit split: its residual spans [-1/2, 1/2]
 _S8_K = 64  # K of an 8-bit register-operand MMA group (a 64-byte swizzle; 32 is refused)
 GROUP_PAD = 16  # N of the MMAs at most: the largest GQA group served
@@ -544,7 +547,6 @@ def lowbit_partials(
     n_pad: int | None = None,
     streams: int | None = None,
     columns: bool = False,
-    key_operand: str = "f16",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -559,7 +561,8 @@ def lowbit_partials(
     token streams on the MMA columns (`STREAMS`; default 2 where a step holds 128 tokens and
     the group fits half of ``N``), each with its own softmax state: a partial of its own,
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
-    column ``t * N / streams + g``. ``key_operand``: the key MMA's operands (`KEY_OPERANDS`).
+    column ``t * N / streams + g``.
+    ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -593,8 +596,7 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
-    if key_operand not in KEY_OPERANDS:
-        raise ValueError(f"key_operand={key_operand!r} must be one of {KEY_OPERANDS}")
+    key_operand = "s8" if int_to_float == "s8" else "f16"
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
     # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
@@ -665,7 +667,7 @@ def lowbit_partials(
         stage=stage,
         value_layout=value_layout,
         code_copy=code_copy,
-        asm=int_to_float == "asm",
+        asm=int_to_float in ("asm", "s8"),
         overlap=overlap,
         mask=mask,
         key_operand=key_operand,
@@ -772,7 +774,7 @@ FP_PAGES_PER_SPLIT = 4
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
-INT_TO_FLOAT = ("exponent", "asm")  # `_plane_to_f16`, `_planes_asm`
+INT_TO_FLOAT = ("exponent", "asm", "s8")  # `_plane_to_f16`, `_planes_asm`, `_planes_s8` keys
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "auto"
 DEFAULT_INT_TO_FLOAT = "asm"  # run 48: 0.518 vs 0.595 ms at 8 x 128k, 2 bits

@@ -616,19 +616,19 @@ def test_mosaic_s8_keys_as_accurate_as_f16_keys(case: Case):
     want = np.asarray(ref_mod._ref_attend(qg, [(kq, vq, valid)], 0.1 / np.log2(np.e)))
     live = np.asarray(low.length) > 0
     errs = {}
-    for operand in gm.KEY_OPERANDS:
+    for operand in ("asm", "s8"):
         got = gm.lowbit_partials(
             qg, lowbit_set, bits=case.bits, bits_v=case.bits_v, scale_log2=0.1,
-            group=case.group, value_layout=case.value_layout, key_operand=operand,
+            group=case.group, value_layout=case.value_layout, int_to_float=operand,
         )  # fmt: skip
         (out,) = _merge_partials(*got)
         errs[operand] = _rel_err(jnp.asarray(out[live]), jnp.asarray(want[live]))
-    assert errs["s8"] <= max(1.5 * errs["f16"], 1e-4), errs
+    assert errs["s8"] <= max(1.5 * errs["asm"], 1e-4), errs
 
 
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
 def test_mosaic_s8_keys_lower_for_cuda(case: Case):
-    _check_schedule(case, dict(key_operand="s8"), None, run=False)
+    _check_schedule(case, dict(int_to_float="s8"), None, run=False)
 
 
 def test_split_query_s8_reconstructs_the_query():
