@@ -423,18 +423,9 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
         dict(lowbit_page_size=128),
     ),
-    # Key codes converted to float16 (`int_to_float="asm"`, the default before run 62; the
-    # default keeps them 8-bit integer MMA operands).
-    "int2_mosaic_vdims_asm": (
-        2,
-        dict(_MOSAIC_DIMS, int_to_float="asm"),
-        dict(lowbit_page_size=128),
-    ),
-    "int4_mosaic_vdims_asm": (
-        4,
-        dict(_MOSAIC_DIMS, int_to_float="asm"),
-        dict(lowbit_page_size=128),
-    ),
+    # Key codes as signed 8-bit MMA operands (`gpu_mosaic`, int_to_float="s8").
+    "int2_mosaic_vdims_s8": (2, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
+    "int4_mosaic_vdims_s8": (4, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
     # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).
     "int2_mosaic_vdims_tma": (
         2,
