@@ -541,7 +541,7 @@ def lowbit_partials(
     value_layout: str = "tokens",
     auto_barriers: bool = False,
     code_copy: str = "auto",
-    int_to_float: str = "asm",
+    int_to_float: str = "s8",
     overlap: str = "values",
     mask: str = "last",
     n_pad: int | None = None,
@@ -777,7 +777,7 @@ GATHER_MODES = CODE_COPIES
 INT_TO_FLOAT = ("exponent", "asm", "s8")  # `_plane_to_f16`, `_planes_asm`, `_planes_s8` keys
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "auto"
-DEFAULT_INT_TO_FLOAT = "asm"  # run 48: 0.518 vs 0.595 ms at 8 x 128k, 2 bits
+DEFAULT_INT_TO_FLOAT = "s8"  # run 61: split kernel 0.304 vs 0.369 ms (asm) at 8 x 128k, 2 bits
 DEFAULT_ROW_SUMS = "deferred"
 DEFAULT_PAGES_PER_BLOCK = 1  # split-table unit: a low-bit page is one or more whole tiles
 WIDE_PAGES_PER_BLOCK = 1  # (4-bit widths: the same)
