@@ -226,6 +226,11 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
     return out
 
 
+# Operand kinds of the stage rows: float16 codes (inline PTX), 8-bit key codes, 8-bit keys and
+# values (`gpu_mosaic.INT_TO_FLOAT`).
+INT_TO_FLOAT_ROWS = ("asm", "s8", "s8kv")
+
+
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     """Attribution of the Mosaic GPU body: its low-bit split kernel alone (no prologue, fp
     segment or merge), 2 bits, dimension-major value pages (128 tokens): computing
@@ -238,19 +243,12 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
     # (page, value layout, stage, code copies, overlap, mask, (MMA columns, token streams),
-    # key operands):
-    # sessions 12-14's rows (jnp unpack, token-major values, the serial schedule, masking
-    # every step) are in BENCHMARKS.md. None: the kernel's defaults.
-    runs = [(128, "dims", "full", "tma", "values", "last", nc) for nc in ((16, 1), (8, 1), None)]
-    runs += [(128, "dims", "keys", "tma", "values", "last", None)]
-    runs += [(128, "dims", "loads", "tma", "none", "last", None)]
-    # Plain bulk copies of the contiguous code tiles instead of tensor-map boxes of 32-byte rows.
-    runs += [(128, "dims", "full", "bulk", "values", "last", None)]
-    runs += [(128, "dims", "loads", "bulk", "none", "last", None)]
-    # Keys as signed 8-bit MMA operands (a shift and a mask per four codes, no conversion).
-    runs += [(128, "dims", st, "bulk", "values", "last", None, "s8") for st in ("full", "keys")]
-    runs += [(128, "dims", "keys", "bulk", "values", "last", None)]
-    runs = [r if len(r) == 8 else (*r, "f16") for r in runs]
+    # int_to_float). None: the kernel's defaults. Rows of earlier sessions (N = 16, one token
+    # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
+    # every step) are in BENCHMARKS.md.
+    runs = [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in ("asm", "s8")]
+    runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -283,7 +281,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     mask=mask,
                     n_pad=n_pad,
                     streams=streams,
-                    int_to_float="s8" if ko == "s8" else "asm",
+                    int_to_float=ko,
                     columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
@@ -292,7 +290,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name += f"_overlap_{overlap}" if overlap != "none" else ""
             name += "_mask_every" if mask == "every" else ""
             name += f"_n{nc[0]}_streams{nc[1]}" if nc else ""
-            name += "_s8_keys" if ko == "s8" else ""
+            name += {"asm": "", "s8": "_s8_keys", "s8kv": "_s8_keys_values"}[ko]
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -426,6 +424,13 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Key codes as signed 8-bit MMA operands (`gpu_mosaic`, int_to_float="s8").
     "int2_mosaic_vdims_s8": (2, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
     "int4_mosaic_vdims_s8": (4, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
+    # Key and value codes as 8-bit operands (p * s_v in high/low 8-bit parts per step).
+    "int2_mosaic_vdims_s8kv": (
+        2, dict(_MOSAIC_DIMS, int_to_float="s8kv"), dict(lowbit_page_size=128)
+    ),
+    "int4_mosaic_vdims_s8kv": (
+        4, dict(_MOSAIC_DIMS, int_to_float="s8kv"), dict(lowbit_page_size=128)
+    ),
     # Key codes as float16 operands through inline PTX (`gpu_mosaic._planes_asm`).
     "int2_mosaic_vdims_asm": (2, dict(_MOSAIC_DIMS, int_to_float="asm"), dict(lowbit_page_size=128)),
     "int4_mosaic_vdims_asm": (4, dict(_MOSAIC_DIMS, int_to_float="asm"), dict(lowbit_page_size=128)),
