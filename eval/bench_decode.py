@@ -226,9 +226,9 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
     return out
 
 
-# Operand kinds of the stage rows: float16 codes (inline PTX), 8-bit key codes, 8-bit keys and
-# values (`gpu_mosaic.INT_TO_FLOAT`).
-INT_TO_FLOAT_ROWS = ("asm", "s8", "s8kv")
+# Operand kinds of the stage rows: float16 codes (inline PTX), 8-bit key codes
+# (`gpu_mosaic.INT_TO_FLOAT`; run 64's 8-bit values, slower, are in BENCHMARKS.md).
+INT_TO_FLOAT_ROWS = ("asm", "s8")
 
 
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
@@ -290,7 +290,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name += f"_overlap_{overlap}" if overlap != "none" else ""
             name += "_mask_every" if mask == "every" else ""
             name += f"_n{nc[0]}_streams{nc[1]}" if nc else ""
-            name += {"asm": "", "s8": "_s8_keys", "s8kv": "_s8_keys_values"}[ko]
+            name += {"asm": "", "s8": "_s8_keys"}[ko]
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -424,13 +424,6 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Key codes as signed 8-bit MMA operands (`gpu_mosaic`, int_to_float="s8").
     "int2_mosaic_vdims_s8": (2, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
     "int4_mosaic_vdims_s8": (4, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
-    # Key and value codes as 8-bit operands (p * s_v in high/low 8-bit parts per step).
-    "int2_mosaic_vdims_s8kv": (
-        2, dict(_MOSAIC_DIMS, int_to_float="s8kv"), dict(lowbit_page_size=128)
-    ),
-    "int4_mosaic_vdims_s8kv": (
-        4, dict(_MOSAIC_DIMS, int_to_float="s8kv"), dict(lowbit_page_size=128)
-    ),
     # Key codes as float16 operands through inline PTX (`gpu_mosaic._planes_asm`).
     "int2_mosaic_vdims_asm": (2, dict(_MOSAIC_DIMS, int_to_float="asm"), dict(lowbit_page_size=128)),
     "int4_mosaic_vdims_asm": (4, dict(_MOSAIC_DIMS, int_to_float="asm"), dict(lowbit_page_size=128)),

@@ -22,9 +22,7 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   With ``int_to_float="s8"`` the key codes stay integers: signed 8-bit register operands of
   K = 64 (a shift and a mask per four codes, `_planes_s8`) against the query's high and low
   8-bit parts in an int32 accumulator (`split_query_s8`; run 61: split kernel 0.369 -> 0.304
-  ms at 8 x 128k). ``"s8kv"`` does the same for dimension-major value codes: each step's
-  ``p * s_v`` in high and low 8-bit parts against its per-column maximum (`values_s8` in
-  `_kernel`), an int32 accumulator per step folded into the float32 one a step later.
+  ms at 8 x 128k).
   Scales and zero points are applied per token row afterwards
   (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5); float16 or the 8-bit encoding
   (`layout`, decoded in the kernel with the reference's integer ops). Keys and values may have
@@ -301,11 +299,9 @@ def _kernel(
     overlap: str,
     mask: str,
     key_operand: str,
-    value_operand: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
-    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile] (s8 values:
-    # int8[2N, tile], the high parts of p * s_v in rows [0, N), the low in [N, 2N)).
+    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile].
     (k_smem, v_smem, meta_smem, pt_smem), out_smem = ring
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
@@ -315,7 +311,6 @@ def _kernel(
     # s8 keys: q_smem [d / 64, streams, 2N, 64], each K = 64 dims block of the high and low
     # parts of every stream's query.
     s8 = key_operand == "s8"
-    s8v = value_operand == "s8"
     width = k_smem.shape[-1]  # code bytes per key row
     if s8:
         n_blocks, streams, npad, _ = q_smem.shape
@@ -419,7 +414,7 @@ def _kernel(
         return per_element(vectors)
 
     def step(i, carry, acc_ref, masked):
-        m_i, l_i, zc, pending = carry
+        m_i, l_i, zc = carry
         slot = lax.rem(i, STAGES)
         nxt = i + STAGES - 1
 
@@ -473,9 +468,7 @@ def _kernel(
         l_i = l_i * bcast_col(alpha) + p
         zc = zc * bcast_col(alpha) + pvz
         if stage == "keys":  # no value product
-            return m_new, l_i, zc, pending
-        if s8v:
-            return m_new, l_i, zc, values_s8(slot, pv, alpha, pending, acc_ref)
+            return m_new, l_i, zc
         if value_layout == "dims":
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
@@ -504,61 +497,13 @@ def _kernel(
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_ref)
         if overlap != "values":
             plgpu.wgmma_wait(0)
-        return m_new, l_i, zc, pending
-
-    def fold(acc_f, scale, acc_ref):  # acc_f + scale (hi + lo / 254): one step's int32 sums
-        sums = acc_ref[...]  # waits for the value MMAs in flight
-        hi = sums[:, :npad].astype(jnp.float32)
-        lo = sums[:, npad:].astype(jnp.float32)
-        return acc_f + (hi + lo * (1.0 / _LO)) * lax.broadcast_in_dim(scale, (d, npad), [1])
-
-    def values_s8(slot, pv, alpha, pending, acc_ref):
-        """s8 values: the step's p * s_v as high and low 8-bit parts against its per-column
-        maximum, ``w ~ S / 127 (hi + lo / 254)``, stored transposed; the value code planes as
-        signed 8-bit register operands of K = 64 tokens into an int32 accumulator, folded
-        into the float32 one at the next step (after the key MMAs, so the value MMAs run
-        under them). ``pending``: (float32 accumulator, the previous step's S / 127)."""
-        acc_f, scale_prev = pending
-        top = pv.max(axis=0)
-        scale = top * (1.0 / 127.0)
-        u = pv * bcast_col(jnp.where(top > 0, 127.0 / top, 0.0))
-        hi = jnp.round(u)
-        lo = jnp.round((u - hi) * _LO)
-        for j, part in enumerate((hi, lo)):
-            for t in range(streams):
-                if streams > 1:
-                    part_t = jnp.where(col_stream == t, part, 0.0)
-                else:
-                    part_t = part
-                # Mosaic GPU casts 8-bit arrays to no other layout: transpose in float16.
-                pt = plgpu.layout_cast(part_t.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-                dst = pt_smem.at[pl.ds(j * npad, npad), pl.ds(t * rows, rows)]
-                plgpu.transpose_ref(dst, (1, 0))[...] = pt.astype(jnp.int8)
-        plgpu.commit_smem()
-        acc_f = fold(acc_f, scale_prev, acc_ref) * lax.broadcast_in_dim(alpha, (d, npad), [1])
-        acc_ref[...] = plgpu.layout_cast(
-            jnp.zeros((d, 2 * npad), jnp.int32), plgpu.Layout.WGMMA
-        )
-        codes = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA_8BIT)
-        for g, plane in enumerate(_planes_s8(codes, v_bits)):
-            p_ref = plgpu.transpose_ref(pt_smem.at[:, pl.ds(g * _S8_K, _S8_K)], (1, 0))
-            plgpu.wgmma(acc_ref, plane, p_ref)
-        if overlap != "values":
-            plgpu.wgmma_wait(0)
-        return acc_f, scale
+        return m_new, l_i, zc
 
     wgmma_layout = plgpu.Layout.WGMMA
-    pending = ()
-    if s8v:
-        pending = (
-            plgpu.layout_cast(jnp.zeros((d, npad), jnp.float32), wgmma_layout),
-            plgpu.layout_cast(jnp.zeros((npad,), jnp.float32), col),
-        )
     carry = (
         plgpu.layout_cast(jnp.full((npad,), da.NEG_INF, jnp.float32), col),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
-        pending,
     )
 
     # Only a step that reaches past `count` masks its tokens (mask="last"): the others skip
@@ -569,15 +514,9 @@ def _kernel(
         body = functools.partial(step, acc_ref=acc_ref)
         out = lax.fori_loop(0, n_full, functools.partial(body, masked=mask == "every"), carry)
         out = lax.fori_loop(n_full, n_steps, functools.partial(body, masked=True), out)
-        m_i, l_i, zc, pending = out
-        if s8v:  # the last step's int32 sums
-            acc = fold(*pending, acc_ref)
-        else:
-            acc = acc_ref[...]
-        return acc, m_i, l_i, zc
+        return acc_ref[...], *out
 
-    acc_type = plgpu.ACC((d, 2 * npad), jnp.int32) if s8v else plgpu.ACC((d, npad), jnp.float32)
-    acc, m_i, l_i, zc = pl.run_scoped(loop, acc_type)
+    acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
     out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, npad), [1])
@@ -623,8 +562,7 @@ def lowbit_partials(
     the group fits half of ``N``), each with its own softmax state: a partial of its own,
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
     column ``t * N / streams + g``.
-    ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands; "s8kv":
-    dimension-major value codes too, against ``p * s_v`` split into 8-bit parts).
+    ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -658,9 +596,7 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
-    key_operand = "s8" if int_to_float in ("s8", "s8kv") else "f16"
-    # Value codes become 8-bit operands where they are dimension-major (a register operand).
-    value_operand = "s8" if int_to_float == "s8kv" and value_layout == "dims" else "f16"
+    key_operand = "s8" if int_to_float == "s8" else "f16"
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
     # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
@@ -731,11 +667,10 @@ def lowbit_partials(
         stage=stage,
         value_layout=value_layout,
         code_copy=code_copy,
-        asm=int_to_float != "exponent",
+        asm=int_to_float in ("asm", "s8"),
         overlap=overlap,
         mask=mask,
         key_operand=key_operand,
-        value_operand=value_operand,
     )
     # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
     # step). Safe here: a slot is refilled only in the step after its last reads, and every
@@ -750,11 +685,7 @@ def lowbit_partials(
             code_tiles(tile, width),
             v_smem,
             plgpu.SMEM((4, STAGES, tile), meta_dtype),
-            (
-                plgpu.SMEM((2 * n_pad, tile), jnp.int8, transforms=_swizzled(_S8_K, 8))
-                if value_operand == "s8"
-                else plgpu.SMEM((n_pad, tile), jnp.float16, transforms=_swizzled(P_SWIZZLE))
-            ),
+            plgpu.SMEM((n_pad, tile), jnp.float16, transforms=_swizzled(P_SWIZZLE)),
         ),
         plgpu.SMEM((d, n_pad), jnp.float32),
     )
@@ -843,8 +774,7 @@ FP_PAGES_PER_SPLIT = 4
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
-# `_plane_to_f16`, `_planes_asm`, `_planes_s8` keys; "s8kv": dimension-major values too.
-INT_TO_FLOAT = ("exponent", "asm", "s8", "s8kv")
+INT_TO_FLOAT = ("exponent", "asm", "s8")  # `_plane_to_f16`, `_planes_asm`, `_planes_s8` keys
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "auto"
 DEFAULT_INT_TO_FLOAT = "s8"  # run 61: split kernel 0.304 vs 0.369 ms (asm) at 8 x 128k, 2 bits
