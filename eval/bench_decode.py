@@ -629,7 +629,9 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
     if "mosaic_stages" in cfg.variants:
         mosaic_stage_rows(cfg, batch, ctx, record)
 
-    need_dense = {"bf16_pallas", "xla_dense_bf16", "cudnn_bf16"} & set(cfg.variants)
+    need_dense = {"bf16_pallas", "bf16_mosaic", "xla_dense_bf16", "cudnn_bf16"} & set(
+        cfg.variants
+    )
     if need_dense:
         ks = jax.random.split(key, 3)
         n_copies = copies_for(bf16_bytes)
@@ -645,7 +647,7 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
             )
             for r in range(n_copies)
         ]
-        if "bf16_pallas" in cfg.variants:
+        if {"bf16_pallas", "bf16_mosaic"} & set(cfg.variants):
             npg = _pages(ctx, page)
             tab = jnp.arange(batch * npg, dtype=jnp.int32).reshape(batch, npg)
             lens = jnp.full((batch,), ctx, jnp.int32)
@@ -660,7 +662,17 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
                 fp = da.FpPages(c["k"], c["v"], tab, lens)
                 return da.decode_attention_bf16(q, fp, sm_scale=sm, **tune)
 
-            record("bf16_pallas", lambda: _time_unrolled(call_pallas, paged, qs, cfg), bf16_bytes)
+            def call_mosaic(c, q):  # the Mosaic GPU BF16 body (`gpu_mosaic.fp_partials`)
+                fp = da.FpPages(c["k"], c["v"], tab, lens)
+                return da.decode_attention_bf16(q, fp, sm_scale=sm, backend="gpu_mosaic")
+
+            for name, call in (("bf16_pallas", call_pallas), ("bf16_mosaic", call_mosaic)):
+                if name in cfg.variants:
+                    record(
+                        name,
+                        lambda call=call: _time_unrolled(call, paged, qs, cfg),
+                        bf16_bytes,
+                    )
             del paged
         if "xla_dense_bf16" in cfg.variants:
             record(
@@ -854,7 +866,11 @@ def _speedups(rows: list[dict]) -> list[dict]:
     for point in sorted({(r["batch"], r["context"]) for r in rows}):
         at = [r for r in rows if (r["batch"], r["context"]) == point]
         t = {r["variant"]: r.get("time_ms") for r in at if not r.get("above_ceiling")}
-        jax_bf16 = [t[v] for v in ("xla_dense_bf16", "cudnn_bf16", "bf16_pallas") if t.get(v)]
+        jax_bf16 = [
+            t[v]
+            for v in ("xla_dense_bf16", "cudnn_bf16", "bf16_pallas", "bf16_mosaic")
+            if t.get(v)
+        ]
         best = min(jax_bf16) if jax_bf16 else None
         for v in [r["variant"] for r in at if r["variant"] in LOWBIT_VARIANTS]:
             if not t.get(v):

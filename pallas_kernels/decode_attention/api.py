@@ -343,6 +343,26 @@ def decode_attention_variant(
     return _ungroup(o, g)
 
 
+def _decode_bf16_mosaic(q, fp: FpPages, dims: dict, sm_scale, num_splits, interpret) -> jax.Array:
+    """`decode_attention_bf16` on the Mosaic GPU body (`gpu_mosaic.fp_partials`: 64-token
+    steps over whole pages) and the Triton merge kernel."""
+    from pallas_kernels.decode_attention import gpu_mosaic, gpu_triton
+
+    if interpret:
+        raise ValueError("the Mosaic GPU body has no interpret mode; use backend='gpu'")
+    per_step = max(1, gpu_mosaic.TILE // dims["page"])
+    if num_splits is None:
+        num_splits = _auto_splits(dims["b"], dims["hkv"], fp.table.shape[1], per_step)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    qg, g = _group_queries(q, dims["hkv"], 1)
+    table = split_table(fp.table, num_splits, per_step)
+    acc, m, l = gpu_mosaic.fp_partials(
+        qg, (fp.k, fp.v, table, fp.length), scale_log2=float(sm_scale) * LOG2E, group=g
+    )
+    return _ungroup(gpu_triton.merge_splits(acc, m, l, None, interpret=False), g)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -374,7 +394,7 @@ def decode_attention_bf16(
         pages_per_block = BF16_PAGES_PER_BLOCK
     dims = _validate_fp(q, fp)
     if backend == "gpu_mosaic":
-        raise ValueError("backend='gpu_mosaic' has no BF16 kernel; use backend='gpu'")
+        return _decode_bf16_mosaic(q, fp, dims, sm_scale, num_splits, interpret)
     _check_kernel_shapes(dims, None, pages_per_block, backend)
     mod = _backend_module(backend)
     unit = pages_per_block if backend == "gpu" else 1

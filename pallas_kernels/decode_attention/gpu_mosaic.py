@@ -727,6 +727,203 @@ def lowbit_partials(
     return acc, m[..., :group], l[..., :group]
 
 
+# ------------------------------------------------------------------------------------------
+# Full-precision (BF16) pages on the same design: tokens as the MMA's M, the key tile the
+# shared-memory A operand against the query, the value tile read transposed as the A operand
+# of O^T = V^T p. No scales, zero points or transforms.
+# ------------------------------------------------------------------------------------------
+FP_STAGES = 3  # ring depth of the BF16 body (two [64, d] tiles per slot: 32 KB at d = 128)
+
+
+def _fp_kernel(
+    q_gmem,  # bf16[B, Hkv, N, d] query, times scale_log2, group padded to N
+    k_gmem,  # bf16[P, Hkv, page, d]
+    v_gmem,
+    tab_gmem,  # i32[B, S, rows, 32]: pages of the split (padded to whole steps), then its count
+    acc_gmem,  # f32[B, Hkv, S, d, N]
+    m_gmem,  # f32[B, Hkv, S, N]
+    l_gmem,
+    q_smem,
+    tab_smem,
+    ring,  # ((k, v [STAGES, TILE, d], p^T [N, TILE]), the epilogue's f32[d, N] tile)
+    vec_smem,
+    bar_in,
+    bars,
+    *,
+    page: int,
+    pages_per_split: int,
+    stages: int,
+):
+    (k_smem, v_smem, pt_smem), out_smem = ring
+    bi = lax.axis_index("b")
+    h = lax.axis_index("h")
+    si = lax.axis_index("s")
+    npad, d = q_smem.shape
+    per_step = TILE // page  # pages per 64-token step
+    plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
+    plgpu.barrier_wait(bar_in.at[0])
+
+    def table(i):
+        return tab_smem[i // _COPY_WORDS, lax.rem(i, _COPY_WORDS)]
+
+    count = table(pages_per_split)
+    n_steps = (count + TILE - 1) // TILE
+
+    def issue(step, slot):
+        for j in range(per_step):
+            pg = table(step * per_step + j)
+            rows = pl.ds(j * page, page)
+            plgpu.copy_gmem_to_smem(k_gmem.at[pg, h], k_smem.at[slot, rows], bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_gmem.at[pg, h], v_smem.at[slot, rows], bars.at[slot])
+
+    for st in range(stages - 1):
+        pl.when(st < n_steps)(functools.partial(issue, st, st))
+
+    col = plgpu.Layout.WGMMA.reduce(0)
+    shape = (TILE, npad)
+    bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
+    row_tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+
+    def step(i, carry, acc_ref, masked):
+        m_i, l_i = carry
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(bars.at[slot])
+
+        def keys(ref):
+            plgpu.wgmma(ref, k_smem.at[slot], plgpu.transpose_ref(q_smem, (1, 0)))
+            return ref[...]  # waits for every MMA in flight, the previous step's value MMAs too
+
+        logits = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
+        # Only now is the slot the previous step's value MMAs read free: refill it.
+        nxt = i + stages - 1
+
+        @pl.when(nxt < n_steps)
+        def _next():
+            issue(nxt, lax.rem(nxt, stages))
+
+        if masked:  # tokens past `count`: unused slots may hold NaN, in keys and values
+            valid = row_tok + i * TILE < count
+            logits = jnp.where(valid, logits, da.NEG_INF)
+            vt = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA)
+            tok = plgpu.broadcasted_iota(jnp.int32, vt.shape, 0, layout=plgpu.Layout.WGMMA)
+            v_smem.at[slot][...] = jnp.where(tok + i * TILE < count, vt, jnp.zeros_like(vt))
+        m_new = jnp.maximum(m_i, logits.max(axis=0))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(logits - bcast_col(m_new))
+        if masked:
+            p = jnp.where(valid, p, 0.0)
+        l_i = l_i * bcast_col(alpha) + p
+        pt = plgpu.layout_cast(p.astype(pt_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.transpose_ref(pt_smem, (1, 0))[...] = pt
+        plgpu.commit_smem()
+        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (d, npad), [1])
+        v_t = plgpu.transpose_ref(v_smem.at[slot], (1, 0))  # [d, TILE]
+        plgpu.wgmma(acc_ref, v_t, plgpu.transpose_ref(pt_smem, (1, 0)))
+        return m_new, l_i
+
+    carry = (
+        plgpu.layout_cast(jnp.full((npad,), da.NEG_INF, jnp.float32), col),
+        plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
+    )
+    n_full = count // TILE
+
+    def loop(acc_ref):
+        body = functools.partial(step, acc_ref=acc_ref)
+        out = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+        out = lax.fori_loop(n_full, n_steps, functools.partial(body, masked=True), out)
+        return acc_ref[...], *out
+
+    acc, m_i, l_i = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
+    out_smem[...] = acc
+    vec_smem.at[0][...] = m_i
+    vec_smem.at[1][...] = l_i.sum(axis=0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, si])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def fp_partials(
+    qg: jax.Array,  # f32|bf16[B, Hkv, Gp, d] queries (any Gp <= GROUP_PAD)
+    fp_set: tuple,  # (k, v [P, Hkv, page, d] bf16|f16, table i32[B, S, pps], len i32[B])
+    *,
+    scale_log2: float,
+    group: int,
+    stages: int = FP_STAGES,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Split partials over full-precision pages, in split rows as `lowbit_partials` returns
+    them: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,N]; base 2, unnormalised)."""
+    k, v, tab, lens = fp_set
+    b, hkv, _, d = qg.shape
+    page = k.shape[2]
+    if k.dtype not in (jnp.bfloat16, jnp.float16) or v.dtype != k.dtype:
+        raise ValueError(f"full-precision pages must be bfloat16 or float16, got {k.dtype}")
+    if TILE % page or d % 64 or d > 256:
+        raise ValueError(
+            f"the Mosaic GPU BF16 body needs pages dividing {TILE} tokens and head_dim a "
+            f"multiple of 64 up to 256, got {page=} {d=}"
+        )
+    if stages < 2:
+        raise ValueError(f"stages={stages} must be >= 2")
+    n_pad, _ = mma_columns(group, TILE, None, 1)
+    s, pps = tab.shape[1], tab.shape[2]
+    per_step = TILE // page
+    pps_pad = -(-pps // per_step) * per_step  # a step reads whole groups of table entries
+    qs = (qg[:, :, :group] * scale_log2).astype(k.dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, n_pad - group), (0, 0)))
+    start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
+    count = jnp.clip(lens[:, None] - start, 0, pps * page)
+    row = -(-(pps_pad + 1) // _COPY_WORDS) * _COPY_WORDS
+    tab_ext = jnp.concatenate(
+        [
+            tab,
+            jnp.zeros((b, s, pps_pad - pps), jnp.int32),
+            count[..., None],
+            jnp.zeros((b, s, row - pps_pad - 1), jnp.int32),
+        ],
+        axis=-1,
+    ).reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
+    tiles = functools.partial(plgpu.SMEM, dtype=k.dtype, transforms=_swizzled(2 * d))
+    ring = plgpu.RefUnion(
+        (
+            tiles((stages, TILE, d)),
+            tiles((stages, TILE, d)),
+            # The value MMA's operands share a swizzle: 128 bytes, as the value tile's.
+            plgpu.SMEM((n_pad, TILE), k.dtype, transforms=_swizzled(2 * TILE)),
+        ),
+        plgpu.SMEM((d, n_pad), jnp.float32),
+    )
+    scratch = dict(
+        q_smem=tiles((n_pad, d)),
+        tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
+        ring=ring,
+        vec_smem=plgpu.SMEM((2, n_pad), jnp.float32),
+        bar_in=plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        bars=plgpu.Barrier(num_arrivals=2 * per_step, num_barriers=stages),
+    )
+    params = plgpu.CompilerParams(
+        unsafe_no_auto_barriers=True,  # as in `lowbit_partials`: every step ends in a barrier
+        reduction_scratch_bytes=_REDUCTION_SCRATCH,
+        approx_math=True,
+    )
+    kernel = functools.partial(_fp_kernel, page=page, pages_per_split=pps_pad, stages=stages)
+    acc, m, l = plgpu.kernel(
+        kernel,
+        compiler_params=params,
+        out_type=(
+            jax.ShapeDtypeStruct((b, hkv, s, d, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
+        ),
+        grid=(b, hkv, s),
+        grid_names=("b", "h", "s"),
+        scratch_types=scratch,
+    )(qs, k, v, tab_ext)
+    return rows_of_columns(acc, m, l, streams=1, group=group)
+
+
 def mma_columns(
     group: int, page: int, n_pad: int | None = None, streams: int | None = None
 ) -> tuple[int, int]:
