@@ -389,7 +389,9 @@ def decode_attention_bf16(
 ) -> jax.Array:  # f32[B, Hq, d]
     """The BF16 baseline: same kernel structure (GQA group as M, splits, LSE merge) over
     full-precision pages only, no transforms. Arguments as in `decode_attention`
-    (``pages_per_block=None`` means 8, the value this baseline was tuned with)."""
+    (``pages_per_block=None`` means 8, the value this baseline was tuned with).
+    ``backend="gpu_mosaic"``: the Mosaic GPU body instead (`gpu_mosaic.fp_partials`, tokens
+    as the MMA's M; ``pages_per_block``, ``num_warps`` and ``num_stages`` do not apply)."""
     if pages_per_block is None:
         pages_per_block = BF16_PAGES_PER_BLOCK
     dims = _validate_fp(q, fp)
