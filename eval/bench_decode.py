@@ -926,7 +926,9 @@ def markdown_table(result: dict) -> str:
             "-" if s[k] is None else f"{s[k]:.2f}"
             for k in ("vs_torch_sdpa", "vs_cudnn", "vs_best_jax_bf16")
         ]
-        lines.append(f"| {s['batch']} | {s['context']} | {s['variant']} | " + " | ".join(cells))
+        lines.append(
+            f"| {s['batch']} | {s['context']} | {s['variant']} | " + " | ".join(cells) + " |"
+        )
 
     def step_cell(q, tag):
         a, c = q.get(f"{tag}_per_step_ms"), q.get(f"{tag}_per_call_ms")
