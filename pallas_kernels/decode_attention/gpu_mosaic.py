@@ -529,6 +529,42 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def _split_rows(tab: jax.Array, lens: jax.Array, page: int, row_pages: int) -> jax.Array:
+    """i32[B, S, rows, 32] table rows for the kernels: split s's pages (``tab`` i32[B, S,
+    pps], zero-padded to ``row_pages``), then its valid-token count at index ``row_pages``."""
+    b, s, pps = tab.shape
+    start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
+    count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
+    row = -(-(row_pages + 1) // _COPY_WORDS) * _COPY_WORDS
+    parts = [tab, jnp.zeros((b, s, row_pages - pps), jnp.int32), count[..., None]]
+    parts.append(jnp.zeros((b, s, row - row_pages - 1), jnp.int32))
+    return jnp.concatenate(parts, axis=-1).reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
+
+
+def _split_call(kernel, scratch: dict, shape: tuple[int, ...], *, auto_barriers: bool = False):
+    """The `plgpu.kernel` of a split kernel: grid (B, Hkv, S), outputs acc f32[B, Hkv, S, d, N]
+    and m, l f32[B, Hkv, S, N] (``shape`` = (B, Hkv, S, d, N)).
+
+    Without auto barriers Pallas puts no warpgroup barrier before each TMA copy. Safe in both
+    kernels: a slot is refilled only after its last reads, and every step ends in
+    `commit_smem` (a warpgroup barrier); no thread reads what it wrote."""
+    b, hkv, s, d, n_pad = shape
+    params = plgpu.CompilerParams(
+        unsafe_no_auto_barriers=not auto_barriers,
+        reduction_scratch_bytes=_REDUCTION_SCRATCH,
+        approx_math=True,
+    )
+    vec = jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32)
+    return plgpu.kernel(
+        kernel,
+        compiler_params=params,
+        out_type=(jax.ShapeDtypeStruct(shape, jnp.float32), vec, vec),
+        grid=(b, hkv, s),
+        grid_names=("b", "h", "s"),
+        scratch_types=scratch,
+    )
+
+
 def lowbit_partials(
     qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries (any Gp <= GROUP_PAD)
     lowbit_set: tuple,  # (kc, vc, ks, kz, vs, vz, table i32[B, S, pps], len i32[B])
@@ -623,12 +659,7 @@ def lowbit_partials(
         qs = jnp.einsum("bhgd,tu->bhtugd", qs, eye.astype(qs.dtype))
         qs = qs.reshape(b, hkv, streams, n_pad, d)
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
-    start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
-    count = jnp.clip(lens[:, None] - start, 0, pps * page)  # [B, S]
-    row = -(-(pps + 1) // _COPY_WORDS) * _COPY_WORDS
-    pad = jnp.zeros((b, s, row - pps - 1), jnp.int32)
-    tab_ext = jnp.concatenate([tab, count[..., None], pad], axis=-1)  # one fusion
-    tab_ext = tab_ext.reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
+    tab_ext = _split_rows(tab, lens, page, pps)
     metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
     meta_dtype = jnp.uint8 if meta_u8 else jnp.float16
     if any(a.dtype != meta_dtype for a in metas):
@@ -672,14 +703,6 @@ def lowbit_partials(
         mask=mask,
         key_operand=key_operand,
     )
-    # Without auto barriers Pallas puts no warpgroup barrier before each TMA copy (six per
-    # step). Safe here: a slot is refilled only in the step after its last reads, and every
-    # step ends in `commit_smem` (a warpgroup barrier); no thread reads what it wrote.
-    params = plgpu.CompilerParams(
-        unsafe_no_auto_barriers=not auto_barriers,
-        reduction_scratch_bytes=_REDUCTION_SCRATCH,
-        approx_math=True,
-    )
     ring = plgpu.RefUnion(
         (
             code_tiles(tile, width),
@@ -700,7 +723,7 @@ def lowbit_partials(
             )
         ),
         qmeta_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
-        tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
+        tab_smem=plgpu.SMEM(tab_ext.shape[2:], jnp.int32),
         ring=ring,
         v16_smem=v16_smem,
         vec_smem=plgpu.SMEM((2, n_pad), jnp.float32),
@@ -709,17 +732,8 @@ def lowbit_partials(
         ),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
-    acc, m, l = plgpu.kernel(
-        kernel,
-        compiler_params=params,
-        out_type=(
-            jax.ShapeDtypeStruct((b, hkv, s, d, n_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
-        ),
-        grid=(b, hkv, s),
-        grid_names=("b", "h", "s"),
-        scratch_types=scratch,
+    acc, m, l = _split_call(
+        kernel, scratch, (b, hkv, s, d, n_pad), auto_barriers=auto_barriers
     )(qs, qmeta, kc, vc, *metas, tab_ext)
     if columns:
         return acc, m, l
@@ -873,18 +887,7 @@ def fp_partials(
     pps_pad = -(-pps // per_step) * per_step  # a step reads whole groups of table entries
     qs = (qg[:, :, :group] * scale_log2).astype(k.dtype)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, n_pad - group), (0, 0)))
-    start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
-    count = jnp.clip(lens[:, None] - start, 0, pps * page)
-    row = -(-(pps_pad + 1) // _COPY_WORDS) * _COPY_WORDS
-    tab_ext = jnp.concatenate(
-        [
-            tab,
-            jnp.zeros((b, s, pps_pad - pps), jnp.int32),
-            count[..., None],
-            jnp.zeros((b, s, row - pps_pad - 1), jnp.int32),
-        ],
-        axis=-1,
-    ).reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
+    tab_ext = _split_rows(tab, lens, page, pps_pad)
     tiles = functools.partial(plgpu.SMEM, dtype=k.dtype, transforms=_swizzled(2 * d))
     ring = plgpu.RefUnion(
         (
@@ -897,30 +900,14 @@ def fp_partials(
     )
     scratch = dict(
         q_smem=tiles((n_pad, d)),
-        tab_smem=plgpu.SMEM((row // _COPY_WORDS, _COPY_WORDS), jnp.int32),
+        tab_smem=plgpu.SMEM(tab_ext.shape[2:], jnp.int32),
         ring=ring,
         vec_smem=plgpu.SMEM((2, n_pad), jnp.float32),
         bar_in=plgpu.Barrier(num_arrivals=2, num_barriers=1),
         bars=plgpu.Barrier(num_arrivals=2 * per_step, num_barriers=stages),
     )
-    params = plgpu.CompilerParams(
-        unsafe_no_auto_barriers=True,  # as in `lowbit_partials`: every step ends in a barrier
-        reduction_scratch_bytes=_REDUCTION_SCRATCH,
-        approx_math=True,
-    )
     kernel = functools.partial(_fp_kernel, page=page, pages_per_split=pps_pad, stages=stages)
-    acc, m, l = plgpu.kernel(
-        kernel,
-        compiler_params=params,
-        out_type=(
-            jax.ShapeDtypeStruct((b, hkv, s, d, n_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, s, n_pad), jnp.float32),
-        ),
-        grid=(b, hkv, s),
-        grid_names=("b", "h", "s"),
-        scratch_types=scratch,
-    )(qs, k, v, tab_ext)
+    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, d, n_pad))(qs, k, v, tab_ext)
     return rows_of_columns(acc, m, l, streams=1, group=group)
 
 
