@@ -247,7 +247,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
     # every step) are in BENCHMARKS.md.
     runs = [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
-    runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in ("asm", "s8")]
+    runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
     runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
@@ -421,12 +421,18 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
         dict(lowbit_page_size=128),
     ),
-    # Key codes as signed 8-bit MMA operands (`gpu_mosaic`, int_to_float="s8").
-    "int2_mosaic_vdims_s8": (2, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
-    "int4_mosaic_vdims_s8": (4, dict(_MOSAIC_DIMS, int_to_float="s8"), dict(lowbit_page_size=128)),
-    # Key codes as float16 operands through inline PTX (`gpu_mosaic._planes_asm`).
-    "int2_mosaic_vdims_asm": (2, dict(_MOSAIC_DIMS, int_to_float="asm"), dict(lowbit_page_size=128)),
-    "int4_mosaic_vdims_asm": (4, dict(_MOSAIC_DIMS, int_to_float="asm"), dict(lowbit_page_size=128)),
+    # Key codes as float16 operands through inline PTX (`gpu_mosaic._planes_asm`; the default
+    # since session 17 is 8-bit integer key operands, the plain `*_mosaic_vdims` rows).
+    "int2_mosaic_vdims_asm": (
+        2,
+        dict(_MOSAIC_DIMS, int_to_float="asm"),
+        dict(lowbit_page_size=128),
+    ),
+    "int4_mosaic_vdims_asm": (
+        4,
+        dict(_MOSAIC_DIMS, int_to_float="asm"),
+        dict(lowbit_page_size=128),
+    ),
     # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).
     "int2_mosaic_vdims_tma": (
         2,
@@ -629,9 +635,7 @@ def bench_point(cfg: BenchConfig, batch: int, ctx: int, ceiling: float) -> list[
     if "mosaic_stages" in cfg.variants:
         mosaic_stage_rows(cfg, batch, ctx, record)
 
-    need_dense = {"bf16_pallas", "bf16_mosaic", "xla_dense_bf16", "cudnn_bf16"} & set(
-        cfg.variants
-    )
+    need_dense = {"bf16_pallas", "bf16_mosaic", "xla_dense_bf16", "cudnn_bf16"} & set(cfg.variants)
     if need_dense:
         ks = jax.random.split(key, 3)
         n_copies = copies_for(bf16_bytes)
@@ -867,9 +871,7 @@ def _speedups(rows: list[dict]) -> list[dict]:
         at = [r for r in rows if (r["batch"], r["context"]) == point]
         t = {r["variant"]: r.get("time_ms") for r in at if not r.get("above_ceiling")}
         jax_bf16 = [
-            t[v]
-            for v in ("xla_dense_bf16", "cudnn_bf16", "bf16_pallas", "bf16_mosaic")
-            if t.get(v)
+            t[v] for v in ("xla_dense_bf16", "cudnn_bf16", "bf16_pallas", "bf16_mosaic") if t.get(v)
         ]
         best = min(jax_bf16) if jax_bf16 else None
         for v in [r["variant"] for r in at if r["variant"] in LOWBIT_VARIANTS]:

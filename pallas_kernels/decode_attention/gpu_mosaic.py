@@ -732,9 +732,9 @@ def lowbit_partials(
         ),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
-    acc, m, l = _split_call(
-        kernel, scratch, (b, hkv, s, d, n_pad), auto_barriers=auto_barriers
-    )(qs, qmeta, kc, vc, *metas, tab_ext)
+    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, d, n_pad), auto_barriers=auto_barriers)(
+        qs, qmeta, kc, vc, *metas, tab_ext
+    )
     if columns:
         return acc, m, l
     acc, m, l = rows_of_columns(acc, m, l, streams=streams, group=group)
