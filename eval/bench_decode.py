@@ -402,6 +402,13 @@ def _dense_attention(q, k, v, sm_scale):
 
 
 _MOSAIC_DIMS = dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims")
+
+
+def _dims(bits: int, **options) -> tuple[int, dict, dict]:
+    """A row of the Mosaic GPU body on 128-token dimension-major pages, with kernel options."""
+    return bits, dict(_MOSAIC_DIMS, **options), dict(lowbit_page_size=128)
+
+
 # name -> (bits, kernel options, input overrides): attribution rows of the low-bit kernel.
 LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_pallas": (2, {}, {}),
@@ -416,61 +423,21 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     ),
     # Value codes packed along tokens (layout.VALUE_LAYOUTS "dims"), 128-token pages: the
     # value product takes them as the register operand (no float16 shared tile).
-    "int2_mosaic_vdims": (
-        2,
-        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
-        dict(lowbit_page_size=128),
-    ),
+    "int2_mosaic_vdims": _dims(2),
     # Key codes as float16 operands through inline PTX (`gpu_mosaic._planes_asm`; the default
     # since session 17 is 8-bit integer key operands, the plain `*_mosaic_vdims` rows).
-    "int2_mosaic_vdims_asm": (
-        2,
-        dict(_MOSAIC_DIMS, int_to_float="asm"),
-        dict(lowbit_page_size=128),
-    ),
-    "int4_mosaic_vdims_asm": (
-        4,
-        dict(_MOSAIC_DIMS, int_to_float="asm"),
-        dict(lowbit_page_size=128),
-    ),
+    "int2_mosaic_vdims_asm": _dims(2, int_to_float="asm"),
+    "int4_mosaic_vdims_asm": _dims(4, int_to_float="asm"),
     # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).
-    "int2_mosaic_vdims_tma": (
-        2,
-        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims", gather="tma"),
-        dict(lowbit_page_size=128),
-    ),
-    "int4_mosaic_vdims": (
-        4,
-        dict(backend="gpu_mosaic", pages_per_block=1, value_layout="dims"),
-        dict(lowbit_page_size=128),
-    ),
+    "int2_mosaic_vdims_tma": _dims(2, gather="tma"),
+    "int4_mosaic_vdims": _dims(4),
     # The unpack in jnp ops (before run 48's inline PTX, `gpu_mosaic._planes_asm`).
-    "int2_mosaic_vdims_exponent": (
-        2,
-        dict(_MOSAIC_DIMS, int_to_float="exponent"),
-        dict(lowbit_page_size=128),
-    ),
-    "int4_mosaic_vdims_exponent": (
-        4,
-        dict(_MOSAIC_DIMS, int_to_float="exponent"),
-        dict(lowbit_page_size=128),
-    ),
+    "int2_mosaic_vdims_exponent": _dims(2, int_to_float="exponent"),
+    "int4_mosaic_vdims_exponent": _dims(4, int_to_float="exponent"),
     # Split count of the dims body (splits_factor x the automatic choice).
-    "int2_mosaic_vdims_splits_quarter": (
-        2,
-        dict(_MOSAIC_DIMS, splits_factor=0.25),
-        dict(lowbit_page_size=128),
-    ),
-    "int2_mosaic_vdims_splits_half": (
-        2,
-        dict(_MOSAIC_DIMS, splits_factor=0.5),
-        dict(lowbit_page_size=128),
-    ),
-    "int2_mosaic_vdims_splits_x2": (
-        2,
-        dict(_MOSAIC_DIMS, splits_factor=2),
-        dict(lowbit_page_size=128),
-    ),
+    "int2_mosaic_vdims_splits_quarter": _dims(2, splits_factor=0.25),
+    "int2_mosaic_vdims_splits_half": _dims(2, splits_factor=0.5),
+    "int2_mosaic_vdims_splits_x2": _dims(2, splits_factor=2),
     "int2_mosaic_splits_x2": (
         2,
         dict(backend="gpu_mosaic", pages_per_block=1, splits_factor=2),
