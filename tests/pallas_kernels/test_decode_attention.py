@@ -675,6 +675,15 @@ def test_mosaic_bf16_body_matches_reference(case: Case):
     assert err < TOL[case.fp_dtype], f"{case=} rel err {err:.2e}"
 
 
+def test_mosaic_bf16_body_rejects_what_it_cannot_read():
+    x = make_inputs(Case(fp_dtype="float32", fp_lens=(70, 0)), seed=4)
+    with pytest.raises(ValueError, match="float32"):
+        da.decode_attention_bf16(x["q"], x["fp"], sm_scale=0.1, backend="gpu_mosaic")
+    x = make_inputs(Case(fp_dtype="bfloat16", page=48, fp_lens=(70, 0)), seed=4)
+    with pytest.raises(ValueError, match="page=48"):
+        da.decode_attention_bf16(x["q"], x["fp"], sm_scale=0.1, backend="gpu_mosaic")
+
+
 @pytest.mark.parametrize("case", _BF16_MOSAIC_CASES[:3], ids=str)
 def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
     x = make_inputs(case, seed=4)
