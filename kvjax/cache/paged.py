@@ -576,18 +576,19 @@ class PagedKVCache:
         return o[:, None].astype(jnp.float32)
 
     def _pallas_decode_fp(self, layer, q, pools: LayerPools) -> jax.Array:
-        """An all full-precision cache: the BF16 paged kernel over the fp pages, the
-        transforms applied outside it (query into the key frame, output out of the value
-        frame)."""
+        """An all full-precision cache: the BF16 paged kernel over the fp pages (the Mosaic GPU
+        body on Hopper, see `da.fp_backend`), the transforms applied outside it (query into
+        the key frame, output out of the value frame)."""
         from pallas_kernels import decode_attention as da  # lazy: optional path
 
         tf, plan = self.transforms, self.plan
         q_t = tf.queries_to_key_frame(layer, q)[:, 0]
 
+        backend = da.fp_backend(pools.k_fp.dtype, pools.k_fp.shape[-1], pools.k_fp.shape[2])
+
         def run(q, k, v, table, lengths):
             return da.decode_attention_bf16(
-                q, da.FpPages(k, v, table, lengths), sm_scale=self.sm_scale,
-                backend="tpu" if jax.default_backend() == "tpu" else "gpu",
+                q, da.FpPages(k, v, table, lengths), sm_scale=self.sm_scale, backend=backend,
                 interpret=jax.default_backend() == "cpu",
             )  # fmt: skip
 

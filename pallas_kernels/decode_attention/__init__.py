@@ -14,6 +14,7 @@ from pallas_kernels.decode_attention.api import (
     decode_attention,
     decode_attention_bf16,
     decode_attention_variant,
+    fp_backend,
     lowbit_auto_splits,
 )
 from pallas_kernels.decode_attention.pages import (
@@ -40,6 +41,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_bf16",
     "decode_attention_variant",
+    "fp_backend",
     "lowbit_auto_splits",
     "ref_decode_attention",
     "ref_decode_attention_bf16",

@@ -133,6 +133,29 @@ def _backend_module(backend: str):
     return mod
 
 
+def fp_backend(dtype, head_dim: int, page_size: int) -> str:
+    """The backend `decode_attention_bf16` should take for full-precision pages on this
+    machine: ``"tpu"`` on TPU; ``"gpu_mosaic"`` on a Hopper GPU (compute capability 9.x) when
+    the Mosaic BF16 body reads these pages (bf16/f16, head_dim a multiple of 64 up to 256,
+    pages dividing 64 tokens; 96% of the read ceiling at 8 x 128k vs the Triton body's 86%,
+    BENCHMARKS.md); ``"gpu"`` (Triton) otherwise."""
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    if platform != "gpu":
+        return "gpu"
+    from pallas_kernels.decode_attention import gpu_mosaic
+
+    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+    fits = (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 64 == 0
+        and head_dim <= 256
+        and gpu_mosaic.TILE % page_size == 0
+    )
+    return "gpu_mosaic" if cc.startswith("9") and fits else "gpu"
+
+
 # ------------------------------------------------------------------------------------------
 # Public wrappers
 # ------------------------------------------------------------------------------------------

@@ -283,6 +283,35 @@ def test_pallas_decode_path_matches_reference():
     np.testing.assert_allclose(outs["pallas"], outs["reference"], atol=2e-3 * scale, rtol=0)
 
 
+def test_all_full_precision_bf16_pallas_path_matches_reference():
+    """An all-BF16 cache (no low-bit pages) decodes through `decode_attention_bf16` on the
+    backend `fp_backend` picks (the Mosaic GPU body on Hopper, Triton interpret mode here);
+    both paths read the same bf16 pages, the kernel's dots take bf16 queries/probabilities."""
+    from pallas_kernels.decode_attention import fp_backend
+
+    cfg = dataclasses.replace(CFG, head_dim=64)
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    graphdef, params = nnx.split(model)
+    step = jax.jit(lambda t, c: nnx.merge(graphdef, params)(t, c))
+    tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 84))
+    tf = random_orthogonal_transforms(cfg, seed=3)
+    outs = {}
+    for impl in ("reference", "pallas"):
+        cc = CacheConfig(sink=16, keep=128, flush=16, page_size=16, quant=None,
+                         fp_dtype="bfloat16", max_seq_len=128, attention=impl)  # fmt: skip
+        assert cc.all_full_precision
+        cache = PagedKVCache.create(cfg, cc, tf, 2)
+        outs[impl], _ = run_chunks(step, cache, PageManager(cache), tokens, [64, 16, 1, 1, 1, 1])
+    if jax.default_backend() == "cpu":
+        assert fp_backend(jnp.bfloat16, 64, 16) == "gpu"  # the Triton body, interpret mode
+    elif jax.default_backend() == "gpu":
+        hopper = str(jax.devices()[0].compute_capability).startswith("9")
+        assert fp_backend(jnp.bfloat16, 64, 16) == ("gpu_mosaic" if hopper else "gpu")
+    assert fp_backend(jnp.float32, 64, 16) in ("gpu", "tpu")  # Mosaic GPU reads 16-bit pages
+    scale = np.abs(outs["reference"]).max()
+    np.testing.assert_allclose(outs["pallas"], outs["reference"], atol=1e-2 * scale, rtol=0)
+
+
 # ---- bit allocations: per-layer (key, value) widths and scale/zero encodings ---------------
 def _alloc(*pairs):
     return tuple(
