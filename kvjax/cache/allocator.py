@@ -114,7 +114,7 @@ class PageManager:
             return -(-length // p), 0
         qe = cfg.quant_end(length)
         recent = (length - 1 - cfg.sink) // p - (qe - cfg.sink) // p + 1 if length > qe else 0
-        return cfg.sink // p + recent, (qe - cfg.sink) // p
+        return cfg.sink // p + recent, -(-(qe - cfg.sink) // cfg.low_page)
 
     def check_fits(self, length: int) -> None:
         """Raises ValueError when one sequence of `length` tokens can never fit this pool."""
@@ -297,7 +297,7 @@ class PageManager:
             )
             flush_slots = min(cfg.keep + cfg.flush, t + cfg.flush) if flushes else 0
         drop_fp = self.num_fp_pages * cfg.page_size
-        drop_low = self.num_low_pages * cfg.page_size
+        drop_low = self.num_low_pages * cfg.low_page
         arrs = dict(
             fp_table=np.zeros((b, m_fp), np.int32),
             fp_len=np.zeros((b,), np.int32),
@@ -368,11 +368,11 @@ class PageManager:
                 if lp not in s.recent_pages:
                     new_fp_pages.add(("recent", lp))
         qe1 = cfg.quant_end(s1)
-        low_pages = -(-(qe1 - cfg.sink) // p) if s1 > cfg.sink else 0
+        low_pages = -(-(qe1 - cfg.sink) // cfg.low_page) if s1 > cfg.sink else 0
         return len(new_fp_pages), max(0, low_pages - len(s.low_pages))
 
     def _plan_seq(self, b: int, s: _Seq, n: int, arrs: dict) -> None:
-        cfg, p = self.cfg, self.cfg.page_size
+        cfg, p, pl = self.cfg, self.cfg.page_size, self.cfg.low_page
         s0, s1 = s.length, s.length + n
         qe0, qe1 = cfg.quant_end(s0), cfg.quant_end(s1)
         # Allocate pages for new tokens.
@@ -383,10 +383,10 @@ class PageManager:
                     s.sink_pages.append(self._alloc_fp())
                 arrs["new_fp_dst"][b, t] = s.sink_pages[pos // p] * p + pos % p
             elif pos < qe1:
-                lp = (pos - cfg.sink) // p
+                lp = (pos - cfg.sink) // pl
                 while lp >= len(s.low_pages):
                     s.low_pages.append(self._alloc_low())
-                arrs["new_low_dst"][b, t] = s.low_pages[lp] * p + (pos - cfg.sink) % p
+                arrs["new_low_dst"][b, t] = s.low_pages[lp] * pl + (pos - cfg.sink) % pl
             else:
                 lp = (pos - cfg.sink) // p
                 if lp not in s.recent_pages:
@@ -400,11 +400,11 @@ class PageManager:
         # Flush stored recent tokens in [qe0, min(qe1, s0)).
         f = 0
         for pos in range(qe0, min(qe1, s0)):
-            lp = (pos - cfg.sink) // p
-            while lp >= len(s.low_pages):
+            lp, lq = (pos - cfg.sink) // p, (pos - cfg.sink) // pl
+            while lq >= len(s.low_pages):
                 s.low_pages.append(self._alloc_low())
             arrs["flush_src"][b, f] = s.recent_pages[lp] * p + (pos - cfg.sink) % p
-            arrs["flush_dst"][b, f] = s.low_pages[lp] * p + (pos - cfg.sink) % p
+            arrs["flush_dst"][b, f] = s.low_pages[lq] * pl + (pos - cfg.sink) % pl
             f += 1
         arrs["low_table"][b, : len(s.low_pages)] = s.low_pages
         # Recent pages wholly below the new quant_end are dropped once this step has read them.

@@ -86,7 +86,13 @@ class CacheConfig:
     Attributes:
       sink, keep, flush: window policy in tokens (defaults 64 / 256 / 16; the WUSH-KV perplexity
         protocol uses 16 / 128 / 16). sink and flush must be multiples of page_size.
-      page_size: tokens per page.
+      page_size: tokens per full-precision page.
+      lowbit_page_size: tokens per low-bit page (None: page_size). flush must be a multiple
+        of it, so every step writes whole low-bit pages. The Mosaic GPU decode body reads
+        low-bit pages of 64 or 128 tokens (and dims-major values at 128).
+      value_layout: 'tokens' (value codes packed along dimensions, like keys) or 'dims'
+        (packed along a page's tokens, `pallas_kernels.layout`: what the Mosaic GPU body's
+        value MMA reads in place; 2- or 4-bit values only).
       quant: quantizer for the middle segment; None keeps it in full precision (an identity
         quantizer, used to test the paging and transform plumbing exactly).
       quant_v: quantizer for values if it differs from keys (default: same as `quant`).
@@ -115,6 +121,8 @@ class CacheConfig:
     keep: int = 256
     flush: int = 16
     page_size: int = 16
+    lowbit_page_size: int | None = None
+    value_layout: Literal["tokens", "dims"] = "tokens"
     quant: QuantConfig | None = dataclasses.field(default_factory=QuantConfig)
     quant_v: QuantConfig | None = None
     fp_dtype: str = "float32"
@@ -138,6 +146,29 @@ class CacheConfig:
             )
         if self.keep < 1:
             raise ValueError(f"keep={self.keep}: at least the newest token stays full precision")
+        if self.lowbit_page_size is not None and (
+            self.lowbit_page_size <= 0 or self.flush % self.lowbit_page_size
+        ):
+            raise ValueError(
+                f"lowbit_page_size={self.lowbit_page_size} must be positive and divide "
+                f"flush={self.flush} (every flush writes whole low-bit pages)"
+            )
+        if self.value_layout not in lay.VALUE_LAYOUTS:
+            raise ValueError(f"value_layout={self.value_layout!r}; use one of {lay.VALUE_LAYOUTS}")
+        if self.value_layout == "dims":
+            widths = [self.value_quant] if self.layer_quant is None else [
+                v for _, v in self.layer_quant]  # fmt: skip
+            bad = [q.bits for q in widths if q is not None and not lay.is_packed(q.bits)]
+            if self.quant is None or bad:
+                raise ValueError(
+                    f"value_layout='dims' packs 2- or 4-bit value codes along tokens; got value "
+                    f"widths {bad or None}"
+                )
+            if self.low_page % 4:
+                raise ValueError(
+                    f"value_layout='dims' needs low-bit pages of a multiple of 4 tokens, got "
+                    f"{self.low_page}"
+                )
         if self.attention not in ("reference", "pallas"):
             raise ValueError(f"attention={self.attention!r}; use 'reference' or 'pallas'")
         if self.quant is None and self.quant_v is not None:
@@ -175,6 +206,11 @@ class CacheConfig:
         return tuple(out)
 
     @property
+    def low_page(self) -> int:
+        """Tokens per low-bit page."""
+        return self.page_size if self.lowbit_page_size is None else self.lowbit_page_size
+
+    @property
     def all_full_precision(self) -> bool:
         """No token ever leaves the sink + recent windows (quant_end never passes sink)."""
         return self.quant_end(self.max_seq_len) == self.sink
@@ -200,7 +236,7 @@ class CacheConfig:
 
     def lowbit_pages_per_seq(self) -> int:
         """Low-bit pages hold [sink, quant_end(max_seq_len)): none when all full precision."""
-        return -(-(self.quant_end(self.max_seq_len) - self.sink) // self.page_size)
+        return -(-(self.quant_end(self.max_seq_len) - self.sink) // self.low_page)
 
 
 # ------------------------------------------------------------------------------------------
@@ -215,13 +251,14 @@ class LayerPools:
     k_fp: jax.Array  # fp[P_fp, Hkv, page, d]
     v_fp: jax.Array
     k_low: tuple[jax.Array, ...]  # (codes u8[P_q, Hkv, page, d/n], scale, zero) | (fp[...],)
-    v_low: tuple[jax.Array, ...]
+    v_low: tuple[jax.Array, ...]  # as k_low; value_layout='dims': codes u8[P_q, Hkv, d, page/n]
 
 
 @flax.struct.dataclass
 class StepPlan:
-    """Where this step's tokens go. Flat slots are `page * page_size + slot`; an index equal to
-    the pool's slot count is out of range and dropped by the scatter."""
+    """Where this step's tokens go. Flat slots are `page * page_size + slot` (the low-bit pool's
+    page size for low-bit slots); an index equal to the pool's slot count is out of range and
+    dropped by the scatter."""
 
     fp_table: jax.Array  # i32[B, M_fp] sink pages then recent pages (old and new)
     fp_len: jax.Array  # i32[B] valid fp tokens before this step
@@ -344,14 +381,15 @@ class PagedKVCache:
         # New tokens that stay full precision go into fp pages (decode reads them there).
         k_fp = _scatter_tokens(pools.k_fp, plan.new_fp_dst, k_t)
         v_fp = _scatter_tokens(pools.v_fp, plan.new_fp_dst, v_t)
-        fk = _gather_tokens(k_fp, plan.flush_src)  # [B, F, K, d]
-        fv = _gather_tokens(v_fp, plan.flush_src)
 
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
         def store():
-            if cfg.attention == "pallas" and _kernel_layer(pol):
+            # Gathered here, not outside the decode step's cond: most steps flush nothing.
+            fk = _gather_tokens(k_fp, plan.flush_src)  # [B, F, K, d]
+            fv = _gather_tokens(v_fp, plan.flush_src)
+            if cfg.attention == "pallas" and _kernel_layer(pol) and cfg.value_layout == "tokens":
                 # The fused quantize+pack kernel: flushed tokens are already in the stored
                 # frame (identity transform); new tokens going straight to low bits are
                 # transformed by the kernel itself.
@@ -374,6 +412,7 @@ class PagedKVCache:
                 jnp.concatenate([fv, v_t], axis=1),
                 pol.quant_v,
                 tf.clip_v[layer],
+                dims_page=cfg.low_page if cfg.value_layout == "dims" else None,
             )
             return k_low, v_low
 
@@ -384,7 +423,7 @@ class PagedKVCache:
         else:
             # Decode steps of a planned window all carry flush slots; in most of them no row
             # flushes (one in `flush` steps per row), and those skip the quantize+pack.
-            drop = self.num_lowbit_pages * cfg.page_size
+            drop = self.num_lowbit_pages * cfg.low_page
             k_low, v_low = jax.lax.cond(
                 jnp.any(plan.flush_dst < drop), store, lambda: (pools.k_low, pools.v_low)
             )
@@ -421,7 +460,7 @@ class PagedKVCache:
     def _add_moments(self, layer: int, plan: StepPlan, k_t, v_t) -> tuple[KVMoments, ...]:
         # A token is real when the plan stores it somewhere (padding goes to the drop slot).
         real = (plan.new_fp_dst < self.num_fp_pages * self.cfg.page_size) | (
-            plan.new_low_dst < self.num_lowbit_pages * self.cfg.page_size
+            plan.new_low_dst < self.num_lowbit_pages * self.cfg.low_page
         )  # [B, T]
         w = real.astype(jnp.float32)[:, :, None, None]
         m = self.moments[layer]
@@ -475,7 +514,7 @@ class PagedKVCache:
 
         table = plan.low_table  # [B, M_q]
         if table.shape[1]:
-            page = pools.k_fp.shape[2]
+            page = self.cfg.low_page
             per = max(1, LOWBIT_KEY_BLOCK // page)  # pages per block
             table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % per)))
             n_blocks = (jnp.max(plan.low_len) + per * page - 1) // (per * page)
@@ -487,7 +526,7 @@ class PagedKVCache:
             def block(j, state):
                 tab = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)
                 kq = _read_low(pools.k_low, tab, pol.quant, d)  # f32[B, per*P, K, d]
-                vq = _read_low(pools.v_low, tab, pol.quant_v, d)
+                vq = _read_low(pools.v_low, tab, pol.quant_v, d, self.cfg.value_layout)
                 idx = j * per * page + jnp.arange(per * page, dtype=jnp.int32)[None, :]
                 low_pos = jnp.broadcast_to(sink + idx, (qg.shape[0], per * page))
                 return attend(state, kq, vq, visible(low_pos, idx < plan.low_len[:, None]))
@@ -535,8 +574,15 @@ class PagedKVCache:
                 f"keep covering max_seq_len); layer {layer} has keys {pol.quant} and values "
                 f"{pol.quant_v}"
             )
-        backend = "tpu" if jax.default_backend() == "tpu" else "gpu"
         bits_k, bits_v = pol.quant.bits, pol.quant_v.bits
+        kc, ks, kz = pools.k_low
+        vc, vs, vz = pools.v_low
+        hq, d = q.shape[2], q.shape[3]
+        backend = da.lowbit_backend(
+            head_dim=d, bits=bits_k, bits_v=bits_v, group_size=d // ks.shape[-1],
+            group=hq // kc.shape[1], page_size=cfg.low_page,
+            meta_dtypes=(ks.dtype, kz.dtype, vs.dtype, vz.dtype), value_layout=cfg.value_layout,
+        )  # fmt: skip
 
         def run(q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
                 bk_t, bv):  # fmt: skip
@@ -546,12 +592,11 @@ class PagedKVCache:
             return da.decode_attention(
                 q, da.FpPages(k_fp, v_fp, fp_table, fp_len), lowbit, da.HeadTransforms(bk_t, bv),
                 bits=bits_k, bits_v=None if bits_v == bits_k else bits_v,
-                sm_scale=self.sm_scale, backend=backend,
+                sm_scale=self.sm_scale, backend=backend, value_layout=cfg.value_layout,
+                pages_per_block=1 if backend == "gpu_mosaic" else None,
                 interpret=jax.default_backend() == "cpu",
             )  # fmt: skip
 
-        kc, ks, kz = pools.k_low
-        vc, vs, vz = pools.v_low
         bv = None if tf.values_folded else tf.b_v[layer]
         args = (
             q[:, 0],
@@ -612,14 +657,14 @@ def _kernel_layer(pol: LayerPolicy) -> bool:
 def _make_pools(
     mcfg: ModelConfig, ccfg: CacheConfig, pol: LayerPolicy, n_fp: int, n_q: int
 ) -> LayerPools:
-    d, hkv, p = mcfg.head_dim, mcfg.num_kv_heads, ccfg.page_size
+    d, hkv, p, pl = mcfg.head_dim, mcfg.num_kv_heads, ccfg.page_size, ccfg.low_page
     fp_dtype = jnp.dtype(ccfg.fp_dtype)
 
-    def low(qc: QuantConfig | None):
+    def low(qc: QuantConfig | None, dims: bool = False):
         if qc is None:
-            return (jnp.full((n_q, hkv, p, d), jnp.nan, fp_dtype),)
+            return (jnp.full((n_q, hkv, pl, d), jnp.nan, fp_dtype),)
         lo = lay.PageLayout(
-            page_size=p,
+            page_size=pl,
             num_kv_heads=hkv,
             head_dim=d,
             bits=qc.bits,
@@ -627,15 +672,22 @@ def _make_pools(
             meta_dtype=qc.meta_dtype,
             fp_dtype=ccfg.fp_dtype,
         )
+        codes_shape = lo.codes_shape(n_q)
+        if dims:  # packed along the page's tokens
+            codes_shape = (n_q, hkv, d, lay.packed_dim(pl, qc.bits))
         return (
-            jnp.zeros(lo.codes_shape(n_q), lo.codes_dtype),
+            jnp.zeros(codes_shape, lo.codes_dtype),
             jnp.full(lo.meta_shape(n_q), jnp.nan, lo.meta_jnp_dtype),
             jnp.full(lo.meta_shape(n_q), jnp.nan, lo.meta_jnp_dtype),
         )
 
     fp = jnp.full((n_fp, hkv, p, d), jnp.nan, fp_dtype)
+    dims = ccfg.value_layout == "dims"
     return LayerPools(
-        k_fp=fp, v_fp=jnp.full_like(fp, jnp.nan), k_low=low(pol.quant), v_low=low(pol.quant_v)
+        k_fp=fp,
+        v_fp=jnp.full_like(fp, jnp.nan),
+        k_low=low(pol.quant),
+        v_low=low(pol.quant_v, dims and pol.quant_v is not None),
     )
 
 
@@ -664,14 +716,33 @@ def _gather_pages(pool: jax.Array, table: jax.Array) -> jax.Array:
     return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
-def _store_low(low, dst, vals, qc: QuantConfig | None, clip):
+def _store_low(low, dst, vals, qc: QuantConfig | None, clip, dims_page: int | None = None):
+    """Quantizes vals [B, N, K, d] into the low-bit pools at flat slots dst [B, N].
+    dims_page: the codes pool is dimension-major with pages of that many tokens."""
     if qc is None:
         return (_scatter_tokens(low[0], dst, vals),)
     # The stored clip is OSCAR's percentile kappa; quest/minmax use their own rules.
     qa = quantize(vals, qc, clip=clip if qc.method == "oscar" else None)
-    return tuple(
-        _scatter_tokens(pool, dst, x) for pool, x in zip(low, (qa.codes, qa.scale, qa.zero))
-    )
+    meta = tuple(_scatter_tokens(pool, dst, x) for pool, x in zip(low[1:], (qa.scale, qa.zero)))
+    if dims_page is None:
+        return (_scatter_tokens(low[0], dst, qa.codes), *meta)
+    return (_scatter_codes_dims(low[0], dst, qa.unpacked_codes(), qc.bits, dims_page), *meta)
+
+
+def _scatter_codes_dims(pool, dst, codes, bits: int, page_size: int) -> jax.Array:
+    """Writes codes u8[B, N, K, d] (one per channel) into a dimension-major codes pool
+    u8[P, K, d, page/n] at flat slots dst [B, N]. Token slot s of a page is bit field
+    (s // (page/n)) of byte s % (page/n) (`pallas_kernels.layout`), so tokens share bytes:
+    the pages written are zeroed, then each code is added at its shift (the fields are
+    disjoint, so the adds are exact and their order does not matter). Correct because every
+    step writes whole low-bit pages (`CacheConfig`: flush is a multiple of the page)."""
+    w = pool.shape[3]
+    flat = dst.reshape(-1)
+    page, slot = flat // page_size, flat % page_size
+    shift = ((slot // w) * bits).astype(jnp.uint8)[:, None, None]
+    c = codes.reshape(-1, *codes.shape[2:]).astype(jnp.uint8) << shift  # [N, K, d]
+    pool = pool.at[page].set(jnp.uint8(0), mode="drop")
+    return pool.at[page, :, :, slot % w].add(c, mode="drop")
 
 
 def _store_low_kernel(low, dst, x, a, qc: QuantConfig, clip):
@@ -696,10 +767,17 @@ def _store_low_kernel(low, dst, x, a, qc: QuantConfig, clip):
     )
 
 
-def _read_low(low, table, qc: QuantConfig | None, d: int) -> jax.Array:
+def _read_low(low, table, qc: QuantConfig | None, d: int, layout: str = "tokens") -> jax.Array:
     if qc is None:
         return _gather_pages(low[0], table).astype(jnp.float32)
-    codes, scale, zero = (_gather_pages(x, table) for x in low)
+    scale, zero = (_gather_pages(x, table) for x in low[1:])
+    if layout == "dims":  # u8[B, M, K, d, page/n] -> token-major packed rows [B, M*page, K, d/n]
+        page = scale.shape[1] // table.shape[1]
+        tok = lay.unpack_value_page_dims_major(low[0][table], qc.bits, page)  # [B, M, K, P, d]
+        tok = jnp.swapaxes(tok, 2, 3).reshape(table.shape[0], -1, tok.shape[2], d)
+        codes = lay.pack_codes(tok, qc.bits)
+    else:
+        codes = _gather_pages(low[0], table)
     qa = QuantizedArray(
         codes=codes,
         scale=scale,

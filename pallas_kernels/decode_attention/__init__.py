@@ -16,6 +16,7 @@ from pallas_kernels.decode_attention.api import (
     decode_attention_variant,
     fp_backend,
     lowbit_auto_splits,
+    lowbit_backend,
 )
 from pallas_kernels.decode_attention.pages import (
     FpPages,
@@ -43,6 +44,7 @@ __all__ = [
     "decode_attention_variant",
     "fp_backend",
     "lowbit_auto_splits",
+    "lowbit_backend",
     "ref_decode_attention",
     "ref_decode_attention_bf16",
 ]

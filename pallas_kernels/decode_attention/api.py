@@ -133,27 +133,70 @@ def _backend_module(backend: str):
     return mod
 
 
+def _hopper() -> bool:
+    """A Hopper GPU (compute capability 9.x) runs the Mosaic GPU bodies."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def fp_backend(dtype, head_dim: int, page_size: int) -> str:
     """The backend `decode_attention_bf16` should take for full-precision pages on this
-    machine: ``"tpu"`` on TPU; ``"gpu_mosaic"`` on a Hopper GPU (compute capability 9.x) when
-    the Mosaic BF16 body reads these pages (bf16/f16, head_dim a multiple of 64 up to 256,
-    pages dividing 64 tokens; 96% of the read ceiling at 8 x 128k vs the Triton body's 86%,
-    BENCHMARKS.md); ``"gpu"`` (Triton) otherwise."""
-    platform = jax.default_backend()
-    if platform == "tpu":
+    machine: ``"tpu"`` on TPU; ``"gpu_mosaic"`` on a Hopper GPU when the Mosaic BF16 body
+    reads these pages (bf16/f16, head_dim a multiple of 64 up to 256, pages dividing 64
+    tokens; 96% of the read ceiling at 8 x 128k vs the Triton body's 86%, BENCHMARKS.md);
+    ``"gpu"`` (Triton) otherwise."""
+    if jax.default_backend() == "tpu":
         return "tpu"
-    if platform != "gpu":
-        return "gpu"
     from pallas_kernels.decode_attention import gpu_mosaic
 
-    cc = str(getattr(jax.devices()[0], "compute_capability", ""))
     fits = (
         jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim % 64 == 0
         and head_dim <= 256
         and gpu_mosaic.TILE % page_size == 0
     )
-    return "gpu_mosaic" if cc.startswith("9") and fits else "gpu"
+    return "gpu_mosaic" if fits and _hopper() else "gpu"
+
+
+def lowbit_backend(
+    *,
+    head_dim: int,
+    bits: int,
+    bits_v: int,
+    group_size: int,
+    group: int,
+    page_size: int,
+    meta_dtypes: tuple,
+    value_layout: str = "tokens",
+) -> str:
+    """The backend `decode_attention` should take for these low-bit pages on this machine:
+    ``"tpu"`` on TPU; ``"gpu_mosaic"`` on a Hopper GPU where the Mosaic body reads them
+    (`gpu_mosaic.supports` for both widths; 8-bit metadata only on 128-token pages);
+    ``"gpu"`` (Triton) otherwise. Dimension-major values have no Triton or TPU body: a
+    ValueError says so where the Mosaic body cannot run."""
+    if jax.default_backend() == "tpu":
+        backend = "tpu"
+    else:
+        from pallas_kernels.decode_attention import gpu_mosaic
+
+        fits = all(
+            gpu_mosaic.supports(head_dim=head_dim, bits=w, group_size=group_size, group=group,
+                                page_size=page_size)
+            for w in (bits, bits_v)
+        )  # fmt: skip
+        u8 = {jnp.dtype(t) == jnp.dtype(jnp.uint8) for t in meta_dtypes}
+        fits = fits and (u8 == {False} or (u8 == {True} and page_size % gpu_mosaic.MAX_TILE == 0))
+        if value_layout == "dims":
+            fits = fits and page_size == gpu_mosaic.MAX_TILE
+        backend = "gpu_mosaic" if fits and _hopper() else "gpu"
+    if value_layout == "dims" and backend != "gpu_mosaic":
+        raise ValueError(
+            f"value_layout='dims' decodes only through the Mosaic GPU body (a Hopper GPU, "
+            f"{page_size=} must be 128); this machine runs {jax.default_backend()!r}: use "
+            f"value_layout='tokens' or the reference attention"
+        )
+    return backend
 
 
 # ------------------------------------------------------------------------------------------

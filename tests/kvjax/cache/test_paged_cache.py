@@ -312,6 +312,76 @@ def test_all_full_precision_bf16_pallas_path_matches_reference():
     np.testing.assert_allclose(outs["pallas"], outs["reference"], atol=1e-2 * scale, rtol=0)
 
 
+def _run_cfg(cfg, cc, tokens, chunks, tf):
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    graphdef, params = nnx.split(model)
+    step = jax.jit(lambda t, c: nnx.merge(graphdef, params)(t, c))
+    cache = PagedKVCache.create(cfg, cc, tf, tokens.shape[0])
+    mgr = PageManager(cache)
+    out, cache = run_chunks(step, cache, mgr, tokens, chunks)
+    return out, cache, mgr
+
+
+def test_lowbit_pages_of_their_own_size_and_dims_major_values():
+    """128-token low-bit pages beside 16-token fp pages give the outputs of 16-token low-bit
+    pages (same codes, same token order), and dimension-major value pages hold the same codes
+    as token-major ones, so the reference path's outputs are identical. A decode step flushes
+    128 tokens (the last chunk crosses length 288)."""
+    from pallas_kernels import layout as lay
+
+    cfg = dataclasses.replace(CFG, head_dim=64)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 294))
+    tf = random_orthogonal_transforms(cfg, seed=5)
+    chunks = [64, 130, 80] + [1] * 20
+    base = CacheConfig(sink=16, keep=16, flush=128, page_size=16, quant=QuantConfig(bits=2),
+                       max_seq_len=320)  # fmt: skip
+    runs = {
+        name: _run_cfg(cfg, dataclasses.replace(base, **kw), tokens, chunks, tf)
+        for name, kw in (
+            ("p16", {}),
+            ("p128", dict(lowbit_page_size=128)),
+            ("dims", dict(lowbit_page_size=128, value_layout="dims")),
+        )
+    }
+    (o16, _, _), (o128, c128, m128), (od, cd, md) = runs["p16"], runs["p128"], runs["dims"]
+    assert m128.segments(0) == (16, 256, 22) and c128.num_lowbit_pages == 2 * 2
+    np.testing.assert_allclose(o128, o16, rtol=0, atol=1e-5 * np.abs(o16).max())
+    np.testing.assert_array_equal(od, o128)
+    used = sorted({pg for s in m128.seqs.values() for pg in s.low_pages})
+    assert used == sorted({pg for s in md.seqs.values() for pg in s.low_pages})
+    for pools_t, pools_d in zip(c128.pools, cd.pools):
+        assert pools_d.v_low[0].shape == (4, cfg.num_kv_heads, 64, 32)
+        tok = lay.unpack_codes(pools_t.v_low[0][np.asarray(used)], 2, 64)
+        dim = lay.unpack_value_page_dims_major(pools_d.v_low[0][np.asarray(used)], 2, 128)
+        np.testing.assert_array_equal(dim, tok)
+        np.testing.assert_array_equal(pools_d.k_low[0], pools_t.k_low[0])
+
+
+def test_lowbit_page_and_value_layout_are_checked_up_front():
+    with pytest.raises(ValueError, match="lowbit_page_size=128 must be positive and divide flush=16"):
+        CacheConfig(lowbit_page_size=128)
+    with pytest.raises(ValueError, match="value_layout='rows'"):
+        CacheConfig(value_layout="rows")
+    with pytest.raises(ValueError, match=r"value widths \[3\]"):
+        CacheConfig(flush=128, lowbit_page_size=128, value_layout="dims",
+                    quant=QuantConfig(bits=3))  # fmt: skip
+    with pytest.raises(ValueError, match="value widths None"):
+        CacheConfig(value_layout="dims", quant=None)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU may run the Mosaic body")
+def test_dims_values_with_the_pallas_path_off_hopper_name_the_layout():
+    """Dimension-major values have only a Mosaic GPU (Hopper) decode body: elsewhere the
+    pallas path's first decode step says so instead of reading the pages wrongly."""
+    cfg = dataclasses.replace(CFG, head_dim=64)
+    cc = CacheConfig(sink=16, keep=16, flush=128, page_size=16, lowbit_page_size=128,
+                     value_layout="dims", quant=QuantConfig(bits=2), max_seq_len=320,
+                     attention="pallas")  # fmt: skip
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 170))
+    with pytest.raises(ValueError, match="value_layout='dims' decodes only through the Mosaic"):
+        _run_cfg(cfg, cc, tokens, [169, 1], random_orthogonal_transforms(cfg))
+
+
 # ---- bit allocations: per-layer (key, value) widths and scale/zero encodings ---------------
 def _alloc(*pairs):
     return tuple(

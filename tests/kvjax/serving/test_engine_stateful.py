@@ -28,9 +28,11 @@ CFG = ModelConfig(
 )
 # quant=None keeps the middle segment in full precision, so a misplaced page shows as a large
 # error against the dense reference instead of hiding in quantization noise.
+# Low-bit pages of 8 tokens beside 4-token full-precision pages: the two page sizes are planned
+# apart (as the Mosaic GPU body's 128-token low-bit pages beside 16-token ones).
 CCFG = CacheConfig(
-    sink=8, keep=8, flush=8, page_size=4, quant=None, max_seq_len=96,
-    num_fp_pages=20, num_lowbit_pages=36,
+    sink=8, keep=8, flush=8, page_size=4, lowbit_page_size=8, quant=None, max_seq_len=96,
+    num_fp_pages=20, num_lowbit_pages=18,
 )  # fmt: skip
 ECFG = EngineConfig(max_seqs=3, prefill_chunk=16, prefill_tokens_per_step=32, decode_steps=4)
 MODEL = Transformer(CFG, rngs=nnx.Rngs(0))
@@ -48,7 +50,7 @@ def _dense_kv(tokens):
 
 def _stored_kv(eng, seq):
     """Every stored token of `seq`, per layer, in position order (f32[S, Hkv, d])."""
-    cfg, p = eng.cache_cfg, eng.cache_cfg.page_size
+    cfg, p, pl = eng.cache_cfg, eng.cache_cfg.page_size, eng.cache_cfg.low_page
     s = eng.manager.seqs[seq]
     qe = cfg.quant_end(s.length)
     out = []
@@ -59,7 +61,7 @@ def _stored_kv(eng, seq):
                 k_pool, v_pool, page, slot = pools.k_fp, pools.v_fp, s.sink_pages[pos // p], pos % p
             elif pos < qe:
                 k_pool, v_pool = pools.k_low[0], pools.v_low[0]
-                page, slot = s.low_pages[(pos - cfg.sink) // p], (pos - cfg.sink) % p
+                page, slot = s.low_pages[(pos - cfg.sink) // pl], (pos - cfg.sink) % pl
             else:
                 k_pool, v_pool = pools.k_fp, pools.v_fp
                 page, slot = s.recent_pages[(pos - cfg.sink) // p], (pos - cfg.sink) % p
