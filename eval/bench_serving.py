@@ -9,10 +9,12 @@ arrive all at once (`--rate 0`) or as a Poisson stream of `--rate` requests per 
 mode first runs a short warm-up of the same requests (so compilation stays out of the timing),
 then the workload on a fresh engine. Modes, all under the same `--kv-memory-gb`:
 
-- int2_pallas: paged 2-bit cache, the Pallas decode kernel (GPU default backend).
+- int2_pallas: paged 2-bit cache on 16-token pages, the Pallas Triton decode body.
+- int2_mosaic: paged 2-bit cache on 128-token dimension-major low-bit pages (flush 128), the
+  Mosaic GPU decode body on Hopper (`lowbit_backend`).
 - int2_reference: paged 2-bit cache, pure-jnp attention.
 - bf16_paged: paged cache whose full-precision window covers every token, read by the
-  BF16 paged Pallas kernel (`decode_attention_bf16`).
+  BF16 paged Pallas kernel (`decode_attention_bf16`; the Mosaic GPU body on Hopper).
 - bf16_dense: one contiguous full-precision row per sequence.
 
 Random weights of real shapes (default Qwen3-8B): the values do not change the time. Output:
@@ -36,7 +38,7 @@ from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
 from kvjax.serving.engine import Engine, EngineConfig
 
-MODES = ("int2_pallas", "int2_reference", "bf16_paged", "bf16_dense")
+MODES = ("int2_pallas", "int2_mosaic", "int2_reference", "bf16_paged", "bf16_dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +116,14 @@ def make_engine(
     if mode == "bf16_dense":
         ccfg = CacheConfig(max_seq_len=max_len, fp_dtype=fp_dtype)
         return Engine(model, cache_kind="dense", cache_cfg=ccfg, engine_cfg=engine_cfg)
+    mosaic = dict(lowbit_page_size=128, value_layout="dims") if mode == "int2_mosaic" else {}
     ccfg = CacheConfig(
         sink=sink,
         # bf16_paged: the recent window holds every token, so every page is full precision
         keep=max_len if mode == "bf16_paged" else keep,
-        flush=page_size,
+        flush=128 if mosaic else page_size,  # every flush writes whole low-bit pages
         page_size=page_size,
+        **mosaic,
         quant=None if mode == "bf16_paged" else QuantConfig(bits=bits),
         fp_dtype=fp_dtype,
         max_seq_len=max_len,

@@ -382,6 +382,34 @@ def test_dims_values_with_the_pallas_path_off_hopper_name_the_layout():
         _run_cfg(cfg, cc, tokens, [169, 1], random_orthogonal_transforms(cfg))
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu"
+    or not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"),
+    reason="the Mosaic GPU decode body needs a Hopper GPU",
+)
+@pytest.mark.parametrize("value_layout", ["tokens", "dims"])
+def test_mosaic_decode_of_128_token_lowbit_pages_matches_reference(value_layout):
+    """The cache's pallas path on 128-token low-bit pages runs the Mosaic GPU body (keys as
+    8-bit MMA operands, values token- or dimension-major) and matches the reference path."""
+    from pallas_kernels.decode_attention import lowbit_backend
+
+    cfg = dataclasses.replace(CFG, head_dim=128, num_heads=8, num_kv_heads=2)
+    assert lowbit_backend(head_dim=128, bits=2, bits_v=2, group_size=128, group=4,
+                          page_size=128, meta_dtypes=("float16",) * 4,
+                          value_layout=value_layout) == "gpu_mosaic"  # fmt: skip
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (3, 420))
+    tf = random_orthogonal_transforms(cfg, seed=6)
+    outs = {}
+    for impl in ("reference", "pallas"):
+        cc = CacheConfig(sink=64, keep=64, flush=128, page_size=16, lowbit_page_size=128,
+                         value_layout=value_layout, quant=QuantConfig(bits=2),
+                         max_seq_len=512, fp_dtype="bfloat16", attention=impl)  # fmt: skip
+        outs[impl], _, mgr = _run_cfg(cfg, cc, tokens, [256, 150, 1, 1, 1, 1, 1, 1], tf)
+        assert mgr.segments(0)[1] == 256
+    scale = np.abs(outs["reference"]).max()
+    np.testing.assert_allclose(outs["pallas"], outs["reference"], atol=1e-2 * scale, rtol=0)
+
+
 # ---- bit allocations: per-layer (key, value) widths and scale/zero encodings ---------------
 def _alloc(*pairs):
     return tuple(
