@@ -494,7 +494,7 @@ class Engine:
             a - b for a, b in zip(mgr.pages_for(len(req.tokens)), mgr.pages_for(shared))
         )
         n = len(self.running)
-        window = -(-self.ecfg.decode_steps // self.cache_cfg.page_size) + 1
+        win_fp, win_low = self._window_pages()
         # Pages promised to admitted requests whose prefill has not allocated them yet.
         owed_fp = owed_low = 0
         for r in self.running:
@@ -504,7 +504,7 @@ class Engine:
         need_fp, need_low = need_fp + owed_fp, need_low + owed_low
         while True:
             free_fp, free_low = mgr.free_pages()
-            if need_fp + n * window <= free_fp and need_low + n * window <= free_low:
+            if need_fp + n * win_fp <= free_fp and need_low + n * win_low <= free_low:
                 break
             if n == 0 and need_fp <= free_fp and need_low <= free_low:
                 break  # alone it fits (submit checked); the reserve is for company
@@ -514,6 +514,16 @@ class Engine:
         req.seq, req.computed = seq, shared
         self.stats["prefix_tokens_shared"] += shared
         return True
+
+    def _window_pages(self) -> tuple[int, int]:
+        """(fp, low-bit) pages one running sequence may take during a decode window: new fp
+        pages for its tokens, and the low-bit pages of the flushes in the window (none when
+        no token ever leaves full precision: such a pool holds a single low-bit page)."""
+        cfg, n = self.cache_cfg, self.ecfg.decode_steps
+        win_fp = -(-n // cfg.page_size) + 1
+        if cfg.all_full_precision:
+            return win_fp, 0
+        return win_fp, (-(-n // cfg.flush) + 1) * (-(-cfg.flush // cfg.low_page))
 
     def _release(self, req: Request) -> None:
         if self.manager is None:

@@ -160,6 +160,20 @@ def test_memory_budget_admits_more_low_bit_sequences(model):
     assert runs["low"] > 2 * runs["fp"] >= 2 * runs["dense"] >= 2
 
 
+def test_all_full_precision_pool_under_a_budget_runs_sequences_together(model):
+    """A paged cache that never quantizes holds one low-bit page; admission must not reserve
+    low-bit pages for it (it once ran one sequence at a time: the bf16_paged serving rows)."""
+    allfp = CacheConfig(sink=8, keep=128, flush=8, page_size=4, quant=None, max_seq_len=128)
+    assert allfp.all_full_precision
+    ecfg = dataclasses.replace(ECFG, max_seqs=8, kv_memory_gb=0.0005, expected_seq_len=64)
+    eng = Engine(model, cache_kind="paged", cache_cfg=allfp, engine_cfg=ecfg)
+    assert eng.cache.num_lowbit_pages == 1
+    for p in prompts(6, (40,) * 6):
+        eng.submit(p, 8)
+    eng.run()
+    assert eng.peak_running >= 4
+
+
 def test_submit_refuses_bad_requests_before_running(model):
     eng = Engine(model, cache_kind="paged", cache_cfg=LOW, engine_cfg=ECFG)
     with pytest.raises(ValueError, match="empty prompt"):
