@@ -203,15 +203,32 @@ def run_workload(eng: Engine, reqs) -> dict:
     return row
 
 
-def kernel_used(mode: str) -> str:
+def kernel_used(mode: str, eng: Engine) -> str:
+    """The decode attention a mode's engine runs on this machine (the backend choosers the
+    cache itself calls)."""
     if mode == "bf16_dense":
         return "XLA dense attention"
     if mode == "int2_reference":
         return "pure-jnp reference attention"
-    backend = {"tpu": "Mosaic TPU", "cpu": "Triton, interpret mode"}.get(
-        jax.default_backend(), "Triton"
+    from pallas_kernels import decode_attention as da
+
+    cfg, pools = eng.cache_cfg, eng.cache.pools[0]
+    d = pools.k_fp.shape[-1]
+    if cfg.all_full_precision:
+        backend = da.fp_backend(pools.k_fp.dtype, d, cfg.page_size)
+    else:
+        ks = pools.k_low[1]
+        backend = da.lowbit_backend(
+            head_dim=d, bits=cfg.quant.bits, bits_v=cfg.value_quant.bits,
+            group_size=d // ks.shape[-1], group=eng.cfg.num_heads // eng.cfg.num_kv_heads,
+            page_size=cfg.low_page, meta_dtypes=(ks.dtype,) * 4, value_layout=cfg.value_layout,
+        )  # fmt: skip
+    name = {"gpu": "Triton", "gpu_mosaic": "Mosaic GPU", "tpu": "Mosaic TPU"}[backend]
+    if jax.default_backend() == "cpu":
+        name += ", interpret mode"
+    return f"Pallas {name} body via PagedKVCache ({cfg.low_page}-token low-bit pages, " + (
+        "all full precision)" if cfg.all_full_precision else f"{cfg.value_layout}-major values)"
     )
-    return f"Pallas decode_attention ({backend}) via PagedKVCache"
 
 
 def main(c: BenchServingConfig) -> dict:
@@ -238,7 +255,7 @@ def main(c: BenchServingConfig) -> dict:
         del warm
         for rep in range(c.repeats):
             eng = engine_for(model, mode, c)
-            row = dict(mode=mode, repeat=rep, kernel=kernel_used(mode))
+            row = dict(mode=mode, repeat=rep, kernel=kernel_used(mode, eng))
             row["kv_bytes"] = eng.allocated_bytes()
             row.update(run_workload(eng, reqs))
             rows.append(row)

@@ -497,7 +497,7 @@ def test_bench_serving_smoke(tmp_path):
             [
                 "--layers", "1", "--hidden-size", "64", "--intermediate-size", "96",
                 "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "64",
-                "--vocab-size", "97", "--requests", "8", "--prompt-len", "64",
+                "--vocab-size", "97", "--requests", "24", "--prompt-len", "192",
                 "--output-len", "6", "--prefill-chunk", "32", "--prefill-tokens-per-step",
                 "128", "--kv-memory-gb", "0.0012", "--sink", "16", "--keep", "16",
                 "--decode-steps", "4", "--warmup-tokens", "2",
@@ -507,7 +507,7 @@ def test_bench_serving_smoke(tmp_path):
     )  # fmt: skip
     rows = {r["mode"]: r for r in res["rows"]}
     assert all(r["output_tokens"] == sum(n for _, _, n in bench_serving.workload(
-        bench_serving.BenchServingConfig(requests=8, prompt_len=64, output_len=6, vocab_size=97)
+        bench_serving.BenchServingConfig(requests=24, prompt_len=192, output_len=6, vocab_size=97)
     )) for r in rows.values())  # fmt: skip
     assert rows["int2_reference"]["peak_concurrent"] > rows["bf16_paged"]["peak_concurrent"]
     assert all(r["kv_bytes"] <= 0.0012 * 2**30 for r in rows.values())
