@@ -413,6 +413,12 @@ class PagedKVCache:
                 pol.quant_v,
                 tf.clip_v[layer],
                 dims_page=cfg.low_page if cfg.value_layout == "dims" else None,
+                # every page this step writes has a token at a multiple of the page size in
+                # one of the two lists (both are runs of consecutive slots from a page start
+                # or ending at one): the pages to clear, without a page-sized update per token
+                page_starts=jnp.concatenate(
+                    [plan.flush_dst[:, :: cfg.low_page], plan.new_low_dst[:, :: cfg.low_page]], 1
+                ),
             )
             return k_low, v_low
 
@@ -676,7 +682,8 @@ def _make_pools(
         if dims:  # packed along the page's tokens
             codes_shape = (n_q, hkv, d, lay.packed_dim(pl, qc.bits))
         return (
-            jnp.zeros(codes_shape, lo.codes_dtype),
+            # dims-major pages start as all ones, so a page whose clearing were missed shows
+            jnp.full(codes_shape, 0xFF if dims else 0, lo.codes_dtype),
             jnp.full(lo.meta_shape(n_q), jnp.nan, lo.meta_jnp_dtype),
             jnp.full(lo.meta_shape(n_q), jnp.nan, lo.meta_jnp_dtype),
         )
@@ -716,9 +723,10 @@ def _gather_pages(pool: jax.Array, table: jax.Array) -> jax.Array:
     return g.reshape(g.shape[0], -1, *g.shape[3:])
 
 
-def _store_low(low, dst, vals, qc: QuantConfig | None, clip, dims_page: int | None = None):
+def _store_low(low, dst, vals, qc: QuantConfig | None, clip, dims_page=None, page_starts=None):
     """Quantizes vals [B, N, K, d] into the low-bit pools at flat slots dst [B, N].
-    dims_page: the codes pool is dimension-major with pages of that many tokens."""
+    dims_page: the codes pool is dimension-major with pages of that many tokens;
+    page_starts: flat slots (any shape) covering every page dst writes."""
     if qc is None:
         return (_scatter_tokens(low[0], dst, vals),)
     # The stored clip is OSCAR's percentile kappa; quest/minmax use their own rules.
@@ -726,22 +734,24 @@ def _store_low(low, dst, vals, qc: QuantConfig | None, clip, dims_page: int | No
     meta = tuple(_scatter_tokens(pool, dst, x) for pool, x in zip(low[1:], (qa.scale, qa.zero)))
     if dims_page is None:
         return (_scatter_tokens(low[0], dst, qa.codes), *meta)
-    return (_scatter_codes_dims(low[0], dst, qa.unpacked_codes(), qc.bits, dims_page), *meta)
+    codes = _scatter_codes_dims(low[0], dst, qa.unpacked_codes(), qc.bits, dims_page, page_starts)
+    return (codes, *meta)
 
 
-def _scatter_codes_dims(pool, dst, codes, bits: int, page_size: int) -> jax.Array:
+def _scatter_codes_dims(pool, dst, codes, bits: int, page_size: int, page_starts) -> jax.Array:
     """Writes codes u8[B, N, K, d] (one per channel) into a dimension-major codes pool
     u8[P, K, d, page/n] at flat slots dst [B, N]. Token slot s of a page is bit field
     (s // (page/n)) of byte s % (page/n) (`pallas_kernels.layout`), so tokens share bytes:
-    the pages written are zeroed, then each code is added at its shift (the fields are
-    disjoint, so the adds are exact and their order does not matter). Correct because every
-    step writes whole low-bit pages (`CacheConfig`: flush is a multiple of the page)."""
+    the pages written (those of `page_starts`) are zeroed, then each code is added at its
+    shift (the fields are disjoint, so the adds are exact and their order does not matter).
+    Correct because every step writes whole low-bit pages (`CacheConfig`: flush is a multiple
+    of the page)."""
     w = pool.shape[3]
     flat = dst.reshape(-1)
     page, slot = flat // page_size, flat % page_size
     shift = ((slot // w) * bits).astype(jnp.uint8)[:, None, None]
     c = codes.reshape(-1, *codes.shape[2:]).astype(jnp.uint8) << shift  # [N, K, d]
-    pool = pool.at[page].set(jnp.uint8(0), mode="drop")
+    pool = pool.at[page_starts.reshape(-1) // page_size].set(jnp.uint8(0), mode="drop")
     return pool.at[page, :, :, slot % w].add(c, mode="drop")
 
 
