@@ -290,9 +290,6 @@ def test_all_full_precision_bf16_pallas_path_matches_reference():
     from pallas_kernels.decode_attention import fp_backend
 
     cfg = dataclasses.replace(CFG, head_dim=64)
-    model = Transformer(cfg, rngs=nnx.Rngs(2))
-    graphdef, params = nnx.split(model)
-    step = jax.jit(lambda t, c: nnx.merge(graphdef, params)(t, c))
     tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 84))
     tf = random_orthogonal_transforms(cfg, seed=3)
     outs = {}
@@ -300,8 +297,7 @@ def test_all_full_precision_bf16_pallas_path_matches_reference():
         cc = CacheConfig(sink=16, keep=128, flush=16, page_size=16, quant=None,
                          fp_dtype="bfloat16", max_seq_len=128, attention=impl)  # fmt: skip
         assert cc.all_full_precision
-        cache = PagedKVCache.create(cfg, cc, tf, 2)
-        outs[impl], _ = run_chunks(step, cache, PageManager(cache), tokens, [64, 16, 1, 1, 1, 1])
+        outs[impl], _, _ = _run_cfg(cfg, cc, tokens, [64, 16, 1, 1, 1, 1], tf)
     if jax.default_backend() == "cpu":
         assert fp_backend(jnp.bfloat16, 64, 16) == "gpu"  # the Triton body, interpret mode
     elif jax.default_backend() == "gpu":
