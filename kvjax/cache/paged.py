@@ -389,7 +389,8 @@ class PagedKVCache:
             # Gathered here, not outside the decode step's cond: most steps flush nothing.
             fk = _gather_tokens(k_fp, plan.flush_src)  # [B, F, K, d]
             fv = _gather_tokens(v_fp, plan.flush_src)
-            if cfg.attention == "pallas" and _kernel_layer(pol) and cfg.value_layout == "tokens":
+            dims = cfg.value_layout == "dims"
+            if cfg.attention == "pallas" and _kernel_layer(pol) and not dims:
                 # The fused quantize+pack kernel: flushed tokens are already in the stored
                 # frame (identity transform); new tokens going straight to low bits are
                 # transformed by the kernel itself.
@@ -412,13 +413,15 @@ class PagedKVCache:
                 jnp.concatenate([fv, v_t], axis=1),
                 pol.quant_v,
                 tf.clip_v[layer],
-                dims_page=cfg.low_page if cfg.value_layout == "dims" else None,
+                dims_page=cfg.low_page if dims else None,
                 # every page this step writes has a token at a multiple of the page size in
                 # one of the two lists (both are runs of consecutive slots from a page start
                 # or ending at one): the pages to clear, without a page-sized update per token
                 page_starts=jnp.concatenate(
                     [plan.flush_dst[:, :: cfg.low_page], plan.new_low_dst[:, :: cfg.low_page]], 1
-                ),
+                )
+                if dims
+                else None,
             )
             return k_low, v_low
 
