@@ -188,11 +188,18 @@ def main(c: EngineBenchConfig) -> dict:
         )  # fmt: skip
 
     rows, tokens, logits, profiles = [], {}, {}, {}
+    t_start = time.perf_counter()
+
+    def progress(msg):  # long runs on a device: say which phase the time went to
+        print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", flush=True)
+
     for mode in c.modes:
         with prefill_skipped(c.synthetic_prefill):
             # Compile every variant on a short prompt: the shapes depend on the pools and chunk,
             # not on the prompt's length.
+            progress(f"{mode}: compile run")
             engine(mode).generate(prompts[:, : 2 * c.prefill_chunk + 1].tolist(), c.new_tokens)
+            progress(f"{mode}: timed run")
             eng = engine(mode)
             t0 = time.perf_counter()
             res = eng.generate(prompts.tolist(), c.new_tokens)
@@ -229,6 +236,7 @@ def main(c: EngineBenchConfig) -> dict:
         if c.profile_windows:
             # Every row prefilled in the same steps (skipped: only the decode is traced), so
             # all of them decode in the traced windows.
+            progress(f"{mode}: profile")
             with prefill_skipped(True):
                 prof = profile_decode(
                     engine(mode, prefill_rows=c.batch), prompts, c, f"{c.out}/trace_{mode}"
