@@ -210,19 +210,8 @@ def kernel_used(mode: str, eng: Engine) -> str:
         return "XLA dense attention"
     if mode == "int2_reference":
         return "pure-jnp reference attention"
-    from pallas_kernels import decode_attention as da
-
-    cfg, pools = eng.cache_cfg, eng.cache.pools[0]
-    d = pools.k_fp.shape[-1]
-    if cfg.all_full_precision:
-        backend = da.fp_backend(pools.k_fp.dtype, d, cfg.page_size)
-    else:
-        ks = pools.k_low[1]
-        backend = da.lowbit_backend(
-            head_dim=d, bits=cfg.quant.bits, bits_v=cfg.value_quant.bits,
-            group_size=d // ks.shape[-1], group=eng.cfg.num_heads // eng.cfg.num_kv_heads,
-            page_size=cfg.low_page, meta_dtypes=(ks.dtype,) * 4, value_layout=cfg.value_layout,
-        )  # fmt: skip
+    cfg = eng.cache_cfg
+    backend = eng.cache.decode_backend(0, eng.cfg.num_heads)
     name = {"gpu": "Triton", "gpu_mosaic": "Mosaic GPU", "tpu": "Mosaic TPU"}[backend]
     if jax.default_backend() == "cpu":
         name += ", interpret mode"

@@ -570,28 +570,43 @@ class PagedKVCache:
             check_vma=False,
         )(*(args[i] for i in present))
 
-    def _pallas_decode(self, layer, q, pools: LayerPools, pol: LayerPolicy) -> jax.Array:
-        """Single-token decode through the Pallas kernel, reading packed pages directly."""
+    def decode_backend(self, layer: int, num_heads: int) -> str:
+        """The Pallas body ("gpu", "gpu_mosaic" or "tpu") the pallas decode path runs for
+        `layer` on this machine, for `num_heads` query heads: the choosers of
+        `pallas_kernels.decode_attention` on this layer's pools and policy."""
+        return self._decode_backend(layer, self.pools[layer], self.policy(layer), num_heads)
+
+    def _decode_backend(self, layer, pools: LayerPools, pol: LayerPolicy, num_heads: int) -> str:
         from pallas_kernels import decode_attention as da  # lazy: optional path
 
-        plan, cfg, tf = self.plan, self.cfg, self.transforms
+        cfg, d = self.cfg, pools.k_fp.shape[-1]
         if cfg.quant is None and cfg.all_full_precision:
-            return self._pallas_decode_fp(layer, q, pools)
+            return da.fp_backend(pools.k_fp.dtype, d, pools.k_fp.shape[2])
         if not _kernel_layer(pol):
             raise ValueError(
                 "the pallas decode path needs packed 2- or 4-bit pages (or quant=None with "
                 f"keep covering max_seq_len); layer {layer} has keys {pol.quant} and values "
                 f"{pol.quant_v}"
             )
+        kc, ks, kz = pools.k_low
+        _, vs, vz = pools.v_low
+        return da.lowbit_backend(
+            head_dim=d, bits=pol.quant.bits, bits_v=pol.quant_v.bits,
+            group_size=d // ks.shape[-1], group=num_heads // kc.shape[1], page_size=cfg.low_page,
+            meta_dtypes=(ks.dtype, kz.dtype, vs.dtype, vz.dtype), value_layout=cfg.value_layout,
+        )  # fmt: skip
+
+    def _pallas_decode(self, layer, q, pools: LayerPools, pol: LayerPolicy) -> jax.Array:
+        """Single-token decode through the Pallas kernel, reading packed pages directly."""
+        from pallas_kernels import decode_attention as da  # lazy: optional path
+
+        plan, cfg, tf = self.plan, self.cfg, self.transforms
+        backend = self._decode_backend(layer, pools, pol, q.shape[2])
+        if cfg.quant is None and cfg.all_full_precision:
+            return self._pallas_decode_fp(layer, q, pools, backend)
         bits_k, bits_v = pol.quant.bits, pol.quant_v.bits
         kc, ks, kz = pools.k_low
         vc, vs, vz = pools.v_low
-        hq, d = q.shape[2], q.shape[3]
-        backend = da.lowbit_backend(
-            head_dim=d, bits=bits_k, bits_v=bits_v, group_size=d // ks.shape[-1],
-            group=hq // kc.shape[1], page_size=cfg.low_page,
-            meta_dtypes=(ks.dtype, kz.dtype, vs.dtype, vz.dtype), value_layout=cfg.value_layout,
-        )  # fmt: skip
 
         def run(q, k_fp, v_fp, fp_table, fp_len, kc, vc, ks, kz, vs, vz, low_table, low_len,
                 bk_t, bv):  # fmt: skip
@@ -629,7 +644,7 @@ class PagedKVCache:
         o = self._per_kv_shard(run, args, kinds)
         return o[:, None].astype(jnp.float32)
 
-    def _pallas_decode_fp(self, layer, q, pools: LayerPools) -> jax.Array:
+    def _pallas_decode_fp(self, layer, q, pools: LayerPools, backend: str) -> jax.Array:
         """An all full-precision cache: the BF16 paged kernel over the fp pages (the Mosaic GPU
         body on Hopper, see `da.fp_backend`), the transforms applied outside it (query into
         the key frame, output out of the value frame)."""
@@ -637,8 +652,6 @@ class PagedKVCache:
 
         tf, plan = self.transforms, self.plan
         q_t = tf.queries_to_key_frame(layer, q)[:, 0]
-
-        backend = da.fp_backend(pools.k_fp.dtype, pools.k_fp.shape[-1], pools.k_fp.shape[2])
 
         def run(q, k, v, table, lengths):
             return da.decode_attention_bf16(

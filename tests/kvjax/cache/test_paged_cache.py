@@ -432,6 +432,28 @@ def test_layer_quant_pools_and_validation():
         dataclasses.replace(cc, layer_quant=(QuantConfig(), QuantConfig()))
 
 
+def test_decode_backend_is_the_choosers_pick_and_names_a_layer_it_cannot_run():
+    """`decode_backend` (what the pallas path runs, and what benchmarks report) is the
+    chooser's answer for the layer's pools; a 3-bit layer has no Pallas body and says so."""
+    from pallas_kernels.decode_attention import fp_backend, lowbit_backend
+
+    cfg = dataclasses.replace(CFG, head_dim=64)
+    lq = _alloc(((2, "float16"), (2, "float16")), ((3, "float16"), (2, "float16")))
+    cc = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), layer_quant=lq, attention="pallas")
+    cache = PagedKVCache.create(cfg, cc, KVTransforms.identity(cfg), 1)
+    group_size = 64 // cache.pools[0].k_low[1].shape[-1]  # one scale per group of channels
+    want = lowbit_backend(head_dim=64, bits=2, bits_v=2, group_size=group_size,
+                          group=cfg.num_heads // cfg.num_kv_heads, page_size=cc.low_page,
+                          meta_dtypes=("float16",) * 4, value_layout="tokens")  # fmt: skip
+    assert cache.decode_backend(0, cfg.num_heads) == want
+    with pytest.raises(ValueError, match="layer 1 has keys"):
+        cache.decode_backend(1, cfg.num_heads)
+    fp = CacheConfig(sink=16, keep=128, flush=16, page_size=16, quant=None,
+                     fp_dtype="bfloat16", max_seq_len=128, attention="pallas")  # fmt: skip
+    cache = PagedKVCache.create(cfg, fp, KVTransforms.identity(cfg), 1)
+    assert cache.decode_backend(0, cfg.num_heads) == fp_backend(jnp.bfloat16, 64, 16)
+
+
 @pytest.mark.slow
 def test_bit_allocation_pallas_path_matches_reference():
     """Mixed widths across layers and between K and V, 8-bit scale/zero, and a 3-bit layer
