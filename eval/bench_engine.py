@@ -46,6 +46,11 @@ class EngineBenchConfig:
     vocab_size: int = cli.option(151936, "vocabulary")
     batch: int = cli.option(4, "sequences")
     prompt_len: int = cli.option(1024, "prompt tokens per sequence")
+    stagger: int = cli.option(
+        0,
+        "row i's prompt is prompt_len - (i * stagger) // batch tokens, so rows flush recent "
+        "tokens into low-bit pages at different steps as they do in serving (0: all equal)",
+    )
     new_tokens: int = cli.option(64, "tokens generated per sequence")
     decode_steps: int = cli.option(16, "decode steps per host sync")
     prefill_chunk: int = cli.option(512, "prefill chunk")
@@ -164,6 +169,10 @@ def main(c: EngineBenchConfig) -> dict:
         f"(one untraced window, then the traced ones, of --decode-steps {c.decode_steps})",
     )
     cli.check(c.new_tokens >= 2, f"--new-tokens {c.new_tokens}: >= 2 (one decode step)")
+    cli.check(
+        0 <= c.stagger < c.prompt_len,
+        f"--stagger {c.stagger}: must be in [0, --prompt-len {c.prompt_len})",
+    )
     shape = common.ModelShape(
         c.layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
         c.vocab_size,
@@ -172,7 +181,8 @@ def main(c: EngineBenchConfig) -> dict:
     model = common.random_model(shape, max_len)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
     ceiling = read_ceiling(c.ceiling_gib if jax.default_backend() != "cpu" else 0.0)
-    prompts = np.random.default_rng(0).integers(0, shape.vocab_size, (c.batch, c.prompt_len))
+    full = np.random.default_rng(0).integers(0, shape.vocab_size, (c.batch, c.prompt_len))
+    prompts = [full[i, : c.prompt_len - (i * c.stagger) // c.batch] for i in range(c.batch)]
 
     def engine(mode, prefill_rows=c.prefill_rows or c.batch):
         ecfg = EngineConfig(
@@ -198,11 +208,12 @@ def main(c: EngineBenchConfig) -> dict:
             # Compile every variant on a short prompt: the shapes depend on the pools and chunk,
             # not on the prompt's length.
             progress(f"{mode}: compile run")
-            engine(mode).generate(prompts[:, : 2 * c.prefill_chunk + 1].tolist(), c.new_tokens)
+            short = [p[: 2 * c.prefill_chunk + 1].tolist() for p in prompts]
+            engine(mode).generate(short, c.new_tokens)
             progress(f"{mode}: timed run")
             eng = engine(mode)
             t0 = time.perf_counter()
-            res = eng.generate(prompts.tolist(), c.new_tokens)
+            res = eng.generate([p.tolist() for p in prompts], c.new_tokens)
             wall = time.perf_counter() - t0
             tokens[mode] = np.asarray(res.tokens)
             # Bytes a decode step reads from the cache: the pages the sequences hold at the end.
@@ -215,7 +226,8 @@ def main(c: EngineBenchConfig) -> dict:
                 cache_bytes = n_fp * fp_b + n_low * low_b
             else:
                 per_token = 2 * shape.layers * shape.num_kv_heads * shape.head_dim
-                cache_bytes = per_token * c.batch * max_len * jnp.dtype(model.dtype).itemsize
+                cache_bytes = per_token * sum(len(p) + c.new_tokens for p in prompts)
+                cache_bytes *= jnp.dtype(model.dtype).itemsize
             step_s = res.decode_seconds / max(res.decode_steps, 1)
             row = dict(
                 mode=mode,
@@ -247,8 +259,8 @@ def main(c: EngineBenchConfig) -> dict:
         rows.append(row)
         print(row, flush=True)
         # The logits check re-prefills without chunking (and means nothing on skipped prefills).
-        if c.prompt_len * c.batch <= 1 << 16 and not c.synthetic_prefill:
-            logits[mode] = first_decode_logits(model, eng, prompts)
+        if c.prompt_len * c.batch <= 1 << 16 and not (c.synthetic_prefill or c.stagger):
+            logits[mode] = first_decode_logits(model, eng, full)
         del eng  # its pools, before the next mode's are made
 
     def rel_err(a, b):
@@ -285,7 +297,7 @@ def main(c: EngineBenchConfig) -> dict:
     md = (
         f"# bench_engine\n\n`{payload['command']}` at {payload['commit']}, {payload['date']}, "
         f"{payload['device']}, jax {payload['jax_version']}; batch {c.batch} x "
-        f"{c.prompt_len} prompt tokens, {c.layers} layers\n\n"
+        f"{c.prompt_len} prompt tokens (stagger {c.stagger}), {c.layers} layers\n\n"
         + common.markdown_table(header, table)
         + "".join(
             f"\n## Kernels of a decode step, {m} (profile of {c.profile_windows} windows)\n\n"
