@@ -59,6 +59,9 @@ class EngineBenchConfig:
     sink: int = cli.option(64, "full-precision sink tokens")
     keep: int = cli.option(256, "full-precision recent tokens")
     page_size: int = cli.option(16, "tokens per page")
+    flush_rows: int = cli.option(
+        0, "rows of a decode step's smallest flush pass (`CacheConfig.flush_rows`; 0: default)"
+    )
     modes: tuple[str, ...] = cli.option(
         ("bf16_dense", "int2_reference", "int2_pallas"), "caches to time", choices=MODES
     )
@@ -168,6 +171,7 @@ def main(c: EngineBenchConfig) -> dict:
         f"--new-tokens {c.new_tokens}: --profile-windows {c.profile_windows} needs >= {need} "
         f"(one untraced window, then the traced ones, of --decode-steps {c.decode_steps})",
     )
+    cli.check(c.flush_rows >= 0, f"--flush-rows {c.flush_rows}: must be >= 0")
     cli.check(c.new_tokens >= 2, f"--new-tokens {c.new_tokens}: >= 2 (one decode step)")
     cli.check(
         0 <= c.stagger < c.prompt_len,
@@ -194,7 +198,7 @@ def main(c: EngineBenchConfig) -> dict:
         )
         return make_engine(
             model, mode, max_len=max_len, engine_cfg=ecfg, bits=c.bits, sink=c.sink,
-            keep=c.keep, page_size=c.page_size,
+            keep=c.keep, page_size=c.page_size, flush_rows=c.flush_rows or None,
         )  # fmt: skip
 
     rows, tokens, logits, profiles = [], {}, {}, {}
@@ -245,6 +249,7 @@ def main(c: EngineBenchConfig) -> dict:
             if ceiling:
                 floor = (weight_bytes + cache_bytes) / ceiling
                 row.update(floor_ms=round(1e3 * floor, 3), step_over_floor=round(step_s / floor, 3))
+        print(row, flush=True)  # before the profile, which has hung on the H200 (run 71)
         if c.profile_windows:
             # Every row prefilled in the same steps (skipped: only the decode is traced), so
             # all of them decode in the traced windows.
@@ -257,7 +262,6 @@ def main(c: EngineBenchConfig) -> dict:
             profiles[mode] = prof
             print(prof["markdown"], flush=True)
         rows.append(row)
-        print(row, flush=True)
         # The logits check re-prefills without chunking (and means nothing on skipped prefills).
         if c.prompt_len * c.batch <= 1 << 16 and not (c.synthetic_prefill or c.stagger):
             logits[mode] = first_decode_logits(model, eng, full)

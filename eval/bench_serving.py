@@ -109,6 +109,7 @@ def make_engine(
     sink: int = 64,
     keep: int = 256,
     page_size: int = 16,
+    flush_rows: int | None = None,
 ) -> Engine:
     """The engine of one benchmark mode (see the module docstring), identity transforms."""
     max_len = -(-max_len // page_size) * page_size
@@ -128,6 +129,7 @@ def make_engine(
         fp_dtype=fp_dtype,
         max_seq_len=max_len,
         attention="reference" if mode == "int2_reference" else "pallas",
+        flush_rows=flush_rows,
     )
     tf = KVTransforms.identity(model.cfg)
     return Engine(model, cache_kind="paged", transforms=tf, cache_cfg=ccfg, engine_cfg=engine_cfg)

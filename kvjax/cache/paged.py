@@ -115,6 +115,11 @@ class CacheConfig:
         exists at all); sliding layers still follow `sliding_layers`. With
         attention='pallas', layers whose K or V width is 3 (bit-sliced rows) are stored and
         decoded through the reference path.
+      flush_rows: rows a decode step quantizes when few of its rows flush (None: twice the
+        expected count, 2 * ceil(B / flush), at least 2). A decode step gathers its flushing
+        rows into a pass of this many rows, or 4x as many, and quantizes every row only when
+        more flush at once: in serving a row flushes once in `flush` steps, so one pass costs
+        a small fraction of quantizing all B rows' slots.
     """
 
     sink: int = 64
@@ -132,6 +137,7 @@ class CacheConfig:
     attention: Literal["reference", "pallas"] = "reference"
     sliding_layers: Literal["full_precision", "quantized"] = "full_precision"
     layer_quant: tuple[tuple[QuantConfig, QuantConfig], ...] | None = None
+    flush_rows: int | None = None
 
     def __post_init__(self):
         p = self.page_size
@@ -171,6 +177,8 @@ class CacheConfig:
                 )
         if self.attention not in ("reference", "pallas"):
             raise ValueError(f"attention={self.attention!r}; use 'reference' or 'pallas'")
+        if self.flush_rows is not None and self.flush_rows < 1:
+            raise ValueError(f"flush_rows={self.flush_rows}: must be >= 1 (or None)")
         if self.quant is None and self.quant_v is not None:
             raise ValueError("quant_v given without quant")
         if self.sliding_layers not in SLIDING_LAYER_POLICIES:
@@ -218,6 +226,12 @@ class CacheConfig:
     @property
     def value_quant(self) -> QuantConfig | None:
         return self.quant_v if self.quant_v is not None else self.quant
+
+    def flush_passes(self, rows: int) -> tuple[int, ...]:
+        """Row counts of a decode step's flush passes for a batch of `rows`: the step quantizes
+        the smallest that holds every row flushing this step (`flush_rows`)."""
+        r = self.flush_rows or max(2, 2 * -(-rows // self.flush))
+        return tuple(sorted({min(r, rows), min(4 * r, rows), rows}))
 
     def quant_end(self, length):  # int -> int, or i32 array -> i32 array (elementwise)
         """First position of the recent window for a sequence of `length` tokens: the one
@@ -385,10 +399,10 @@ class PagedKVCache:
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
-        def store():
-            # Gathered here, not outside the decode step's cond: most steps flush nothing.
-            fk = _gather_tokens(k_fp, plan.flush_src)  # [B, F, K, d]
-            fv = _gather_tokens(v_fp, plan.flush_src)
+        def store(flush_src, flush_dst):
+            # Gathered here, not outside the decode step's switch: most steps flush nothing.
+            fk = _gather_tokens(k_fp, flush_src)  # [R, F, K, d]
+            fv = _gather_tokens(v_fp, flush_src)
             dims = cfg.value_layout == "dims"
             if cfg.attention == "pallas" and _kernel_layer(pol) and not dims:
                 # The fused quantize+pack kernel: flushed tokens are already in the stored
@@ -396,46 +410,41 @@ class PagedKVCache:
                 # transformed by the kernel itself.
                 eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tf.a_k[layer].shape)
                 k_low, v_low = pools.k_low, pools.v_low
-                sets = [(plan.flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
+                sets = [(flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
                 if t > 1:
                     sets.append((plan.new_low_dst, k, v, tf.a_k[layer], tf.a_v[layer]))
                 for dst, xk, xv, ak, av in sets:
                     k_low = _store_low_kernel(k_low, dst, xk, ak, pol.quant, tf.clip_k[layer])
                     v_low = _store_low_kernel(v_low, dst, xv, av, pol.quant_v, tf.clip_v[layer])
                 return k_low, v_low
-            dst = jnp.concatenate([plan.flush_dst, plan.new_low_dst], axis=1)
-            k_low = _store_low(
-                pools.k_low, dst, jnp.concatenate([fk, k_t], axis=1), pol.quant, tf.clip_k[layer]
-            )
+            # every page this step writes has a token at a multiple of the page size in one
+            # of the two lists (both are runs of consecutive slots from a page start or
+            # ending at one): the pages to clear, without a page-sized update per token
+            starts = [flush_dst[:, :: cfg.low_page]]
+            if t > 1:  # new tokens straight to low bits (a decode token never goes there)
+                dst = jnp.concatenate([flush_dst, plan.new_low_dst], axis=1)
+                xk, xv = jnp.concatenate([fk, k_t], axis=1), jnp.concatenate([fv, v_t], axis=1)
+                starts.append(plan.new_low_dst[:, :: cfg.low_page])
+            else:
+                dst, xk, xv = flush_dst, fk, fv
+            k_low = _store_low(pools.k_low, dst, xk, pol.quant, tf.clip_k[layer])
             v_low = _store_low(
                 pools.v_low,
                 dst,
-                jnp.concatenate([fv, v_t], axis=1),
+                xv,
                 pol.quant_v,
                 tf.clip_v[layer],
                 dims_page=cfg.low_page if dims else None,
-                # every page this step writes has a token at a multiple of the page size in
-                # one of the two lists (both are runs of consecutive slots from a page start
-                # or ending at one): the pages to clear, without a page-sized update per token
-                page_starts=jnp.concatenate(
-                    [plan.flush_dst[:, :: cfg.low_page], plan.new_low_dst[:, :: cfg.low_page]], 1
-                )
-                if dims
-                else None,
+                page_starts=jnp.concatenate(starts, 1) if dims else None,
             )
             return k_low, v_low
 
         if t > 1:
-            k_low, v_low = store()
+            k_low, v_low = store(plan.flush_src, plan.flush_dst)
         elif plan.flush_src.shape[1] == 0:  # single-token decode never writes new low tokens
             k_low, v_low = pools.k_low, pools.v_low
         else:
-            # Decode steps of a planned window all carry flush slots; in most of them no row
-            # flushes (one in `flush` steps per row), and those skip the quantize+pack.
-            drop = self.num_lowbit_pages * cfg.low_page
-            k_low, v_low = jax.lax.cond(
-                jnp.any(plan.flush_dst < drop), store, lambda: (pools.k_low, pools.v_low)
-            )
+            k_low, v_low = self._decode_flush(store, plan, pools)
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
         if self.mesh is not None:  # keep every pool split by KV heads across the calls
             from jax.sharding import NamedSharding
@@ -465,6 +474,36 @@ class PagedKVCache:
         if self.moments is not None:
             new = new.replace(moments=self._add_moments(layer, plan, k_t, v_t))
         return o, new
+
+    def _decode_flush(self, store, plan: StepPlan, pools: LayerPools):
+        """The flush of a decode step: `store(flush_src, flush_dst)` on the flushing rows only.
+
+        Every decode step of a planned window carries B x F flush slots, and in most steps
+        no row or a few rows flush (a row flushes once in `flush` steps). The flushing rows
+        are gathered into the smallest pass of `CacheConfig.flush_passes` that holds them, so
+        a step quantizes a few rows' slots instead of all B rows'; a step where no row flushes
+        runs nothing. One switch per layer picks the pass."""
+        drop = self.num_lowbit_pages * self.cfg.low_page
+        b = plan.flush_dst.shape[0]
+        flushing = jnp.any(plan.flush_dst < drop, axis=1)  # [B]
+        n = jnp.sum(flushing)
+        sizes = self.cfg.flush_passes(b)
+
+        def rows_pass(r):
+            def run():
+                if r == b:  # every row as planned: rows that do not flush drop their slots
+                    return store(plan.flush_src, plan.flush_dst)
+                rows = jnp.nonzero(flushing, size=r, fill_value=b)[0]  # b: no row
+                src = plan.flush_src.at[rows].get(mode="fill", fill_value=0)
+                dst = plan.flush_dst.at[rows].get(mode="fill", fill_value=drop)
+                return store(src, dst)
+
+            return run
+
+        branches = [lambda: (pools.k_low, pools.v_low), *(rows_pass(r) for r in sizes)]
+        # 0 when no row flushes, else 1 + the first pass size that holds n rows
+        index = jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), n))
+        return jax.lax.switch(index, branches)
 
     def _add_moments(self, layer: int, plan: StepPlan, k_t, v_t) -> tuple[KVMoments, ...]:
         # A token is real when the plan stores it somewhere (padding goes to the drop slot).

@@ -190,6 +190,42 @@ def test_sequences_of_different_lengths_do_not_leak(model, step):
         np.testing.assert_allclose(np.concatenate(outs), got[0], atol=1e-4)
 
 
+@pytest.mark.parametrize("value_layout", ["tokens", "dims"])
+@pytest.mark.parametrize("lengths", [(19, 20, 20, 20, 21), (20,) * 5])
+def test_decode_flush_of_a_few_rows_writes_what_flushing_every_row_writes(
+    model, step, value_layout, lengths
+):
+    """Decode steps where one, three or all five rows flush: the compact passes of
+    flush_rows=1 (passes of 1, 4 and 5 rows) write the same pools and outputs as one pass
+    over every row (flush_rows=5), bit for bit: each token is quantized by the same ops."""
+    b = len(lengths)
+    toks = np.random.default_rng(7).integers(0, CFG.vocab_size, (b, max(lengths) + 18))
+    base = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), value_layout=value_layout)
+    assert dataclasses.replace(base, flush_rows=1).flush_passes(b) == (1, 4, 5)
+    assert base.flush_passes(b) == (2, 5) and base.flush_passes(64) == (16, 64)
+    tf = random_orthogonal_transforms(CFG, seed=2)
+    runs = []
+    for rows in (1, b):
+        cache = PagedKVCache.create(CFG, dataclasses.replace(base, flush_rows=rows), tf, b)
+        mgr = PageManager(cache)
+        cache = mgr.prepare(cache, list(lengths))
+        out, cache = step(jnp.asarray(toks[:, : max(lengths)]), cache)
+        outs, flushed = [], []
+        for i in range(16):
+            before = [mgr.segments(r)[1] for r in range(b)]
+            cache = mgr.prepare(cache, 1)
+            col = np.asarray([toks[r, n + i] for r, n in enumerate(lengths)])[:, None]
+            out, cache = step(jnp.asarray(col), cache)
+            outs.append(np.asarray(out))
+            flushed.append(sum(mgr.segments(r)[1] > before[r] for r in range(b)))
+        runs.append((np.stack(outs), cache, flushed))
+    (o1, c1, flushed), (ob, cb, _) = runs
+    assert set(flushed) - {0} == ({1, 3} if len(set(lengths)) > 1 else {b})
+    np.testing.assert_array_equal(o1, ob)
+    for x, y in zip(jax.tree.leaves(c1.pools), jax.tree.leaves(cb.pools)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_nan_in_unused_pages_never_reaches_output(model, step):
     """Pools start NaN-filled; poison every free page again mid-run: outputs stay finite."""
     tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 40))
