@@ -306,11 +306,15 @@ class Engine:
                 raise ValueError(f"kv_memory_gb={ecfg.kv_memory_gb} leaves no low-bit pages")
             ccfg = dataclasses.replace(ccfg, num_fp_pages=int(n_fp), num_lowbit_pages=int(n_low))
         else:
+            # Every slot reaches max_seq_len together: its pages at that length plus the
+            # decode window's reserve that admission keeps for each running sequence.
+            win_fp, win_low = self._window_pages(ccfg)
             ccfg = dataclasses.replace(
                 ccfg,
-                num_fp_pages=ccfg.num_fp_pages or ecfg.max_seqs * ccfg.fp_pages_per_seq(),
+                num_fp_pages=ccfg.num_fp_pages
+                or ecfg.max_seqs * (ccfg.fp_pages_per_seq() + win_fp),
                 num_lowbit_pages=ccfg.num_lowbit_pages
-                or max(1, ecfg.max_seqs * ccfg.lowbit_pages_per_seq()),
+                or max(1, ecfg.max_seqs * (ccfg.lowbit_pages_per_seq() + win_low)),
             )
         self.cache_cfg = ccfg
         self.num_slots = ecfg.max_seqs
@@ -515,11 +519,11 @@ class Engine:
         self.stats["prefix_tokens_shared"] += shared
         return True
 
-    def _window_pages(self) -> tuple[int, int]:
+    def _window_pages(self, cfg: CacheConfig | None = None) -> tuple[int, int]:
         """(fp, low-bit) pages one running sequence may take during a decode window: new fp
         pages for its tokens, and the low-bit pages of the flushes in the window (none when
         no token ever leaves full precision: such a pool holds a single low-bit page)."""
-        cfg, n = self.cache_cfg, self.ecfg.decode_steps
+        cfg, n = cfg or self.cache_cfg, self.ecfg.decode_steps
         win_fp = -(-n // cfg.page_size) + 1
         if cfg.all_full_precision:
             return win_fp, 0

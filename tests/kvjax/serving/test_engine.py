@@ -174,6 +174,19 @@ def test_all_full_precision_pool_under_a_budget_runs_sequences_together(model):
     assert eng.peak_running >= 4
 
 
+def test_pools_sized_without_a_budget_run_every_slot_together(model):
+    """Without a memory budget the pools let all max_seqs sequences reach max_seq_len at
+    once, the decode window's reserve included (pools of exactly max_seq_len per slot once
+    admitted one row fewer: bench_engine's Mosaic-cache rows ran twice the windows)."""
+    cc = CacheConfig(sink=8, keep=8, flush=16, page_size=4, lowbit_page_size=16,
+                     quant=QuantConfig(bits=2), max_seq_len=64)  # fmt: skip
+    eng = Engine(model, cache_kind="paged", cache_cfg=cc, engine_cfg=ECFG)
+    for p in prompts(8, (56,) * ECFG.max_seqs):
+        eng.submit(p, 8)
+    eng.run()
+    assert eng.peak_running == ECFG.max_seqs
+
+
 def test_submit_refuses_bad_requests_before_running(model):
     eng = Engine(model, cache_kind="paged", cache_cfg=LOW, engine_cfg=ECFG)
     with pytest.raises(ValueError, match="empty prompt"):
