@@ -217,8 +217,11 @@ def kernel_used(mode: str, eng: Engine) -> str:
     name = {"gpu": "Triton", "gpu_mosaic": "Mosaic GPU", "tpu": "Mosaic TPU"}[backend]
     if jax.default_backend() == "cpu":
         name += ", interpret mode"
-    return f"Pallas {name} body via PagedKVCache ({cfg.low_page}-token low-bit pages, " + (
-        "all full precision)" if cfg.all_full_precision else f"{cfg.value_layout}-major values)"
+    if cfg.all_full_precision:
+        return f"Pallas {name} BF16 body via PagedKVCache ({cfg.page_size}-token pages)"
+    return (
+        f"Pallas {name} body via PagedKVCache ({cfg.low_page}-token low-bit pages, "
+        f"{cfg.value_layout}-major values)"
     )
 
 
