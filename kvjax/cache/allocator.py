@@ -352,7 +352,21 @@ class PageManager:
             ) = snapshot
             raise
         stacked = {k: np.stack([p[k] for p in plans]) for k in plans[0]}
+        stacked["flush_src"], stacked["flush_dst"] = self._pack_flushes(
+            stacked["flush_src"], stacked["flush_dst"]
+        )
         return stacked, np.stack(lens)
+
+    def _pack_flushes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A window's flush slots [N, B, F] -> [N, R, F]: each step's flushing rows first, R the
+        smallest of `cfg.flush_passes(B)` that holds every step's. Flush slots are flat pool
+        slots, so a flush row need not be its sequence's batch row; a step then quantizes R
+        rows' slots, not B (in serving a row flushes once in `flush` steps)."""
+        flushing = (dst < self.num_low_pages * self.cfg.low_page).any(-1)  # [N, B]
+        need = int(flushing.sum(-1).max(initial=0))
+        r = next(n for n in self.cfg.flush_passes(src.shape[1]) if n >= need)
+        order = np.argsort(~flushing, axis=1, kind="stable")[..., None]  # flushing rows first
+        return tuple(np.take_along_axis(x, order, 1)[:, :r] for x in (src, dst))
 
     def _needs(self, s: _Seq, n: int) -> tuple[int, int]:
         """(new fp pages, new low-bit pages) for appending n tokens."""

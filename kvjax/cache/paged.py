@@ -115,11 +115,12 @@ class CacheConfig:
         exists at all); sliding layers still follow `sliding_layers`. With
         attention='pallas', layers whose K or V width is 3 (bit-sliced rows) are stored and
         decoded through the reference path.
-      flush_rows: rows a decode step quantizes when few of its rows flush (None: twice the
-        expected count, 2 * ceil(B / flush), at least 2). A decode step gathers its flushing
-        rows into a pass of this many rows, or 4x as many, and quantizes every row only when
-        more flush at once: in serving a row flushes once in `flush` steps, so one pass costs
-        a small fraction of quantizing all B rows' slots.
+      flush_rows: flush rows of a planned decode window when few of its rows flush (None:
+        twice the expected count, 2 * ceil(B / flush), at least 2). The planner packs each
+        step's flushing rows into this many rows, or 4x as many, or all B when more flush
+        in one step (`PageManager.plan_window`): in serving a row flushes once in `flush`
+        steps, so a step quantizes a few rows' slots, not all B rows'. Each of the (at most
+        three) row counts is its own compiled window.
     """
 
     sink: int = 64
@@ -228,8 +229,8 @@ class CacheConfig:
         return self.quant_v if self.quant_v is not None else self.quant
 
     def flush_passes(self, rows: int) -> tuple[int, ...]:
-        """Row counts of a decode step's flush passes for a batch of `rows`: the step quantizes
-        the smallest that holds every row flushing this step (`flush_rows`)."""
+        """Row counts a planned decode window's flush arrays may have for a batch of `rows`:
+        the window takes the smallest that holds every step's flushing rows (`flush_rows`)."""
         r = self.flush_rows or max(2, 2 * -(-rows // self.flush))
         return tuple(sorted({min(r, rows), min(4 * r, rows), rows}))
 
@@ -280,8 +281,11 @@ class StepPlan:
     low_len: jax.Array  # i32[B] valid low-bit tokens before this step
     new_fp_dst: jax.Array  # i32[B, T] fp slot of each new token (or dropped)
     new_low_dst: jax.Array  # i32[B, T] low-bit slot of each new token (or dropped)
-    flush_src: jax.Array  # i32[B, F] fp slots of stored tokens flushed to low bits this step
-    flush_dst: jax.Array  # i32[B, F] their low-bit slots (or dropped)
+    # fp slots of stored tokens flushed to low bits this step, and their low-bit slots (or
+    # dropped): R = B rows of F slots, or in a planned decode window R packed rows (row r
+    # is not batch row r: the slots are flat pool slots)
+    flush_src: jax.Array  # i32[R, F]
+    flush_dst: jax.Array  # i32[R, F]
 
 
 @flax.struct.dataclass
@@ -400,7 +404,7 @@ class PagedKVCache:
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
         def store(flush_src, flush_dst):
-            # Gathered here, not outside the decode step's switch: most steps flush nothing.
+            # Gathered here, not outside the decode step's cond: most steps flush nothing.
             fk = _gather_tokens(k_fp, flush_src)  # [R, F, K, d]
             fv = _gather_tokens(v_fp, flush_src)
             dims = cfg.value_layout == "dims"
@@ -444,7 +448,15 @@ class PagedKVCache:
         elif plan.flush_src.shape[1] == 0:  # single-token decode never writes new low tokens
             k_low, v_low = pools.k_low, pools.v_low
         else:
-            k_low, v_low = self._decode_flush(store, plan, pools)
+            # A planned window's flush rows are packed (`PageManager.plan_window`): R rows of
+            # slots, most steps none flushing. One two-way cond: more branches, or control
+            # flow inside a branch, make XLA copy the low-bit pools on every step.
+            drop = self.num_lowbit_pages * cfg.low_page
+            k_low, v_low = jax.lax.cond(
+                jnp.any(plan.flush_dst < drop),
+                lambda: store(plan.flush_src, plan.flush_dst),
+                lambda: (pools.k_low, pools.v_low),
+            )
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
         if self.mesh is not None:  # keep every pool split by KV heads across the calls
             from jax.sharding import NamedSharding
@@ -474,36 +486,6 @@ class PagedKVCache:
         if self.moments is not None:
             new = new.replace(moments=self._add_moments(layer, plan, k_t, v_t))
         return o, new
-
-    def _decode_flush(self, store, plan: StepPlan, pools: LayerPools):
-        """The flush of a decode step: `store(flush_src, flush_dst)` on the flushing rows only.
-
-        Every decode step of a planned window carries B x F flush slots, and in most steps
-        no row or a few rows flush (a row flushes once in `flush` steps). The flushing rows
-        are gathered into the smallest pass of `CacheConfig.flush_passes` that holds them, so
-        a step quantizes a few rows' slots instead of all B rows'; a step where no row flushes
-        runs nothing. One switch per layer picks the pass."""
-        drop = self.num_lowbit_pages * self.cfg.low_page
-        b = plan.flush_dst.shape[0]
-        flushing = jnp.any(plan.flush_dst < drop, axis=1)  # [B]
-        n = jnp.sum(flushing)
-        sizes = self.cfg.flush_passes(b)
-
-        def rows_pass(r):
-            def run():
-                if r == b:  # every row as planned: rows that do not flush drop their slots
-                    return store(plan.flush_src, plan.flush_dst)
-                rows = jnp.nonzero(flushing, size=r, fill_value=b)[0]  # b: no row
-                src = plan.flush_src.at[rows].get(mode="fill", fill_value=0)
-                dst = plan.flush_dst.at[rows].get(mode="fill", fill_value=drop)
-                return store(src, dst)
-
-            return run
-
-        branches = [lambda: (pools.k_low, pools.v_low), *(rows_pass(r) for r in sizes)]
-        # 0 when no row flushes, else 1 + the first pass size that holds n rows
-        index = jnp.where(n == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), n))
-        return jax.lax.switch(index, branches)
 
     def _add_moments(self, layer: int, plan: StepPlan, k_t, v_t) -> tuple[KVMoments, ...]:
         # A token is real when the plan stores it somewhere (padding goes to the drop slot).

@@ -190,40 +190,39 @@ def test_sequences_of_different_lengths_do_not_leak(model, step):
         np.testing.assert_allclose(np.concatenate(outs), got[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("value_layout", ["tokens", "dims"])
 @pytest.mark.parametrize("lengths", [(19, 20, 20, 20, 21), (20,) * 5])
-def test_decode_flush_of_a_few_rows_writes_what_flushing_every_row_writes(
-    model, step, value_layout, lengths
-):
-    """Decode steps where one, three or all five rows flush: the compact passes of
-    flush_rows=1 (passes of 1, 4 and 5 rows) write the same pools and outputs as one pass
-    over every row (flush_rows=5), bit for bit: each token is quantized by the same ops."""
+def test_a_window_plan_packs_its_flushing_rows(lengths):
+    """plan_window keeps every step's flush slots but packs the flushing rows first, in the
+    smallest of `flush_passes` rows that holds each step's: here one or three rows flush per
+    step (a 4-row pass at flush_rows=1), or all five at once (every row)."""
     b = len(lengths)
-    toks = np.random.default_rng(7).integers(0, CFG.vocab_size, (b, max(lengths) + 18))
-    base = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), value_layout=value_layout)
+    base = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), max_seq_len=64)
     assert dataclasses.replace(base, flush_rows=1).flush_passes(b) == (1, 4, 5)
     assert base.flush_passes(b) == (2, 5) and base.flush_passes(64) == (16, 64)
-    tf = random_orthogonal_transforms(CFG, seed=2)
-    runs = []
+    plans = {}
     for rows in (1, b):
-        cache = PagedKVCache.create(CFG, dataclasses.replace(base, flush_rows=rows), tf, b)
+        cache = PagedKVCache.create(CFG, dataclasses.replace(base, flush_rows=rows),
+                                    KVTransforms.identity(CFG), b)  # fmt: skip
         mgr = PageManager(cache)
-        cache = mgr.prepare(cache, list(lengths))
-        out, cache = step(jnp.asarray(toks[:, : max(lengths)]), cache)
-        outs, flushed = [], []
-        for i in range(16):
-            before = [mgr.segments(r)[1] for r in range(b)]
-            cache = mgr.prepare(cache, 1)
-            col = np.asarray([toks[r, n + i] for r, n in enumerate(lengths)])[:, None]
-            out, cache = step(jnp.asarray(col), cache)
-            outs.append(np.asarray(out))
-            flushed.append(sum(mgr.segments(r)[1] > before[r] for r in range(b)))
-        runs.append((np.stack(outs), cache, flushed))
-    (o1, c1, flushed), (ob, cb, _) = runs
-    assert set(flushed) - {0} == ({1, 3} if len(set(lengths)) > 1 else {b})
-    np.testing.assert_array_equal(o1, ob)
-    for x, y in zip(jax.tree.leaves(c1.pools), jax.tree.leaves(cb.pools)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        mgr.prepare(cache, list(lengths))
+        plans[rows], _ = mgr.plan_window(list(range(b)), np.ones((16, b), np.int32))
+    drop = cache.num_lowbit_pages * cache.cfg.low_page
+    packed, full = plans[1], plans[b]
+    assert full["flush_dst"].shape[1] == b
+    assert packed["flush_dst"].shape[1] == (4 if len(set(lengths)) > 1 else b)
+    for k in ("fp_table", "low_table", "new_fp_dst", "low_len"):
+        np.testing.assert_array_equal(packed[k], full[k])
+
+    def pairs(plan, step):  # the step's (fp slot, low-bit slot) moves, in any row order
+        src, dst = plan["flush_src"][step], plan["flush_dst"][step]
+        return sorted(zip(src[dst < drop].tolist(), dst[dst < drop].tolist()))
+
+    for step in range(16):
+        assert pairs(packed, step) == pairs(full, step)
+        rows = (packed["flush_dst"][step] < drop).any(-1)
+        assert not rows[rows.argmin() :].any() or rows.all()  # flushing rows come first
+    counts = (full["flush_dst"] < drop).any(-1).sum(-1)
+    assert set(counts.tolist()) - {0} == ({1, 3} if len(set(lengths)) > 1 else {b})
 
 
 def test_nan_in_unused_pages_never_reaches_output(model, step):

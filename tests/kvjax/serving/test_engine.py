@@ -3,6 +3,7 @@ prefix sharing, preemption, memory-budget admission and input checks."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -185,6 +186,22 @@ def test_pools_sized_without_a_budget_run_every_slot_together(model):
         eng.submit(p, 8)
     eng.run()
     assert eng.peak_running == ECFG.max_seqs
+
+
+def test_packed_flush_rows_give_the_tokens_and_cache_of_every_row(model):
+    """Decode windows whose flushing rows are packed into one row per pass (flush_rows=1)
+    write the same pools and draw the same tokens as windows carrying every row's slots
+    (flush_rows=max_seqs): each token is quantized by the same ops either way."""
+    ps = prompts(9, (37, 38, 39, 44))
+    runs = []
+    for rows in (1, ECFG.max_seqs):
+        eng = Engine(model, cache_kind="paged", engine_cfg=ECFG,
+                     cache_cfg=dataclasses.replace(LOW, flush_rows=rows))  # fmt: skip
+        runs.append((eng.generate(ps, 24).tokens, eng.cache.pools))
+    (t1, p1), (tb, pb) = runs
+    assert t1 == tb
+    for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_submit_refuses_bad_requests_before_running(model):
