@@ -204,6 +204,41 @@ def test_packed_flush_rows_give_the_tokens_and_cache_of_every_row(model):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.parametrize("value_layout", ["tokens", "dims"])
+def test_a_flushing_decode_window_compiles_without_copies_of_the_pools(model, value_layout):
+    """XLA copies a whole pool where a step reads it out of order with its update, or where
+    control flow around the flush does not alias its branches (a 3-way switch did: 6 pool
+    copies per layer per step). The compiled decode window of a flushing batch holds none."""
+    import re
+
+    from kvjax.serving import engine as engine_mod
+
+    cc = dataclasses.replace(LOW, value_layout=value_layout)
+    eng = Engine(model, cache_kind="paged", cache_cfg=cc, engine_cfg=ECFG)
+    captured, real = [], engine_mod._decode_window_call
+
+    def spy(*args):
+        if (args[4]["plan"]["flush_dst"] < eng.cache.num_lowbit_pages * cc.low_page).any():
+            captured.append(args)  # a window in which some row flushes
+        return real(*args)
+
+    engine_mod._decode_window_call = spy
+    try:
+        eng.generate(prompts(10, (30, 35, 40, 45)), 12)
+    finally:
+        engine_mod._decode_window_call = real
+    assert captured
+    txt = real.lower(*captured[0]).compile().as_text()
+    pools = {tuple(x.shape) for x in jax.tree.leaves(eng.cache.pools)}
+    copies = [
+        line.strip()[:120]
+        for line in txt.splitlines()
+        if (m := re.search(r"= \S+\[([^\]]*)\]\S* copy(-start)?\(", line))
+        and tuple(int(d) for d in m.group(1).split(",") if d) in pools
+    ]
+    assert not copies, copies
+
+
 def test_submit_refuses_bad_requests_before_running(model):
     eng = Engine(model, cache_kind="paged", cache_cfg=LOW, engine_cfg=ECFG)
     with pytest.raises(ValueError, match="empty prompt"):
