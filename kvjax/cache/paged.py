@@ -116,11 +116,11 @@ class CacheConfig:
         attention='pallas', layers whose K or V width is 3 (bit-sliced rows) are stored and
         decoded through the reference path.
       flush_rows: flush rows of a planned decode window when few of its rows flush (None:
-        twice the expected count, 2 * ceil(B / flush), at least 2). The planner packs each
-        step's flushing rows into this many rows, or 4x as many, or all B when more flush
-        in one step (`PageManager.plan_window`): in serving a row flushes once in `flush`
-        steps, so a step quantizes a few rows' slots, not all B rows'. Each of the (at most
-        three) row counts is its own compiled window.
+        4x the expected count, 4 * ceil(B / flush), at least 8). The planner packs each
+        step's flushing rows into this many rows, or all B when more flush in one step
+        (`PageManager.plan_window`): in serving a row flushes once in `flush` steps, so a
+        step quantizes a few rows' slots, not all B rows'. Each of the two row counts is its
+        own compiled window; with the default, staggered rows (serving) need only the first.
     """
 
     sink: int = 64
@@ -231,8 +231,8 @@ class CacheConfig:
     def flush_passes(self, rows: int) -> tuple[int, ...]:
         """Row counts a planned decode window's flush arrays may have for a batch of `rows`:
         the window takes the smallest that holds every step's flushing rows (`flush_rows`)."""
-        r = self.flush_rows or max(2, 2 * -(-rows // self.flush))
-        return tuple(sorted({min(r, rows), min(4 * r, rows), rows}))
+        r = self.flush_rows or max(8, 4 * -(-rows // self.flush))
+        return tuple(sorted({min(r, rows), rows}))
 
     def quant_end(self, length):  # int -> int, or i32 array -> i32 array (elementwise)
         """First position of the recent window for a sequence of `length` tokens: the one

@@ -194,22 +194,22 @@ def test_sequences_of_different_lengths_do_not_leak(model, step):
 def test_a_window_plan_packs_its_flushing_rows(lengths):
     """plan_window keeps every step's flush slots but packs the flushing rows first, in the
     smallest of `flush_passes` rows that holds each step's: here one or three rows flush per
-    step (a 4-row pass at flush_rows=1), or all five at once (every row)."""
+    step (3 packed rows at flush_rows=3), or all five at once (every row)."""
     b = len(lengths)
     base = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), max_seq_len=64)
-    assert dataclasses.replace(base, flush_rows=1).flush_passes(b) == (1, 4, 5)
-    assert base.flush_passes(b) == (2, 5) and base.flush_passes(64) == (16, 64)
+    assert dataclasses.replace(base, flush_rows=3).flush_passes(b) == (3, 5)
+    assert base.flush_passes(b) == (5,) and base.flush_passes(64) == (32, 64)
     plans = {}
-    for rows in (1, b):
+    for rows in (3, b):
         cache = PagedKVCache.create(CFG, dataclasses.replace(base, flush_rows=rows),
                                     KVTransforms.identity(CFG), b)  # fmt: skip
         mgr = PageManager(cache)
         mgr.prepare(cache, list(lengths))
         plans[rows], _ = mgr.plan_window(list(range(b)), np.ones((16, b), np.int32))
     drop = cache.num_lowbit_pages * cache.cfg.low_page
-    packed, full = plans[1], plans[b]
+    packed, full = plans[3], plans[b]
     assert full["flush_dst"].shape[1] == b
-    assert packed["flush_dst"].shape[1] == (4 if len(set(lengths)) > 1 else b)
+    assert packed["flush_dst"].shape[1] == (3 if len(set(lengths)) > 1 else b)
     for k in ("fp_table", "low_table", "new_fp_dst", "low_len"):
         np.testing.assert_array_equal(packed[k], full[k])
 

@@ -189,9 +189,9 @@ def test_pools_sized_without_a_budget_run_every_slot_together(model):
 
 
 def test_packed_flush_rows_give_the_tokens_and_cache_of_every_row(model):
-    """Decode windows whose flushing rows are packed into one row per pass (flush_rows=1)
-    write the same pools and draw the same tokens as windows carrying every row's slots
-    (flush_rows=max_seqs): each token is quantized by the same ops either way."""
+    """Decode windows whose flushing rows are packed into one row where one flushes
+    (flush_rows=1) write the same pools and draw the same tokens as windows carrying every
+    row's slots (flush_rows=max_seqs): each token is quantized by the same ops either way."""
     ps = prompts(9, (37, 38, 39, 44))
     runs = []
     for rows in (1, ECFG.max_seqs):
