@@ -359,12 +359,12 @@ class PageManager:
 
     def _pack_flushes(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A window's flush slots [N, B, F] -> [N, R, F]: each step's flushing rows first, R the
-        smallest of `cfg.flush_passes(B)` that holds every step's. Flush slots are flat pool
+        smallest of `cfg.flush_row_counts(B)` that holds every step's. Flush slots are flat pool
         slots, so a flush row need not be its sequence's batch row; a step then quantizes R
         rows' slots, not B (in serving a row flushes once in `flush` steps)."""
         flushing = (dst < self.num_low_pages * self.cfg.low_page).any(-1)  # [N, B]
         need = int(flushing.sum(-1).max(initial=0))
-        r = next(n for n in self.cfg.flush_passes(src.shape[1]) if n >= need)
+        r = next(n for n in self.cfg.flush_row_counts(src.shape[1]) if n >= need)
         order = np.argsort(~flushing, axis=1, kind="stable")[..., None]  # flushing rows first
         return tuple(np.take_along_axis(x, order, 1)[:, :r] for x in (src, dst))
 

@@ -228,7 +228,7 @@ class CacheConfig:
     def value_quant(self) -> QuantConfig | None:
         return self.quant_v if self.quant_v is not None else self.quant
 
-    def flush_passes(self, rows: int) -> tuple[int, ...]:
+    def flush_row_counts(self, rows: int) -> tuple[int, ...]:
         """Row counts a planned decode window's flush arrays may have for a batch of `rows`:
         the window takes the smallest that holds every step's flushing rows (`flush_rows`)."""
         r = self.flush_rows or max(8, 4 * -(-rows // self.flush))

@@ -193,12 +193,12 @@ def test_sequences_of_different_lengths_do_not_leak(model, step):
 @pytest.mark.parametrize("lengths", [(19, 20, 20, 20, 21), (20,) * 5])
 def test_a_window_plan_packs_its_flushing_rows(lengths):
     """plan_window keeps every step's flush slots but packs the flushing rows first, in the
-    smallest of `flush_passes` rows that holds each step's: here one or three rows flush per
+    smallest of `flush_row_counts` rows that holds each step's: here one or three rows flush per
     step (3 packed rows at flush_rows=3), or all five at once (every row)."""
     b = len(lengths)
     base = dataclasses.replace(SMALL, quant=QuantConfig(bits=2), max_seq_len=64)
-    assert dataclasses.replace(base, flush_rows=3).flush_passes(b) == (3, 5)
-    assert base.flush_passes(b) == (5,) and base.flush_passes(64) == (32, 64)
+    assert dataclasses.replace(base, flush_rows=3).flush_row_counts(b) == (3, 5)
+    assert base.flush_row_counts(b) == (5,) and base.flush_row_counts(64) == (32, 64)
     plans = {}
     for rows in (3, b):
         cache = PagedKVCache.create(CFG, dataclasses.replace(base, flush_rows=rows),
