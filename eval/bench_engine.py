@@ -60,7 +60,7 @@ class EngineBenchConfig:
     keep: int = cli.option(256, "full-precision recent tokens")
     page_size: int = cli.option(16, "tokens per page")
     flush_rows: int = cli.option(
-        0, "rows of a decode step's smallest flush pass (`CacheConfig.flush_rows`; 0: default)"
+        0, "packed flush rows of a decode window (`CacheConfig.flush_rows`; 0: default)"
     )
     modes: tuple[str, ...] = cli.option(
         ("bf16_dense", "int2_reference", "int2_pallas"), "caches to time", choices=MODES
