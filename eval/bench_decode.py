@@ -247,6 +247,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
     # every step) are in BENCHMARKS.md.
     runs = [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs += [(128, "dims", "full", "bulk", "staged", "last", None, "s8")]
     runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
     runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
@@ -426,6 +427,8 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_vdims": _dims(2),
     # Key codes as float16 operands through inline PTX (`gpu_mosaic._planes_asm`; the default
     # since session 17 is 8-bit integer key operands, the plain `*_mosaic_vdims` rows).
+    # Two warpgroups per program: keys and softmax beside the values (`gpu_mosaic.OVERLAPS`).
+    "int2_mosaic_vdims_staged": _dims(2, overlap="staged"),
     "int2_mosaic_vdims_asm": _dims(2, int_to_float="asm"),
     "int4_mosaic_vdims_asm": _dims(4, int_to_float="asm"),
     # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).
