@@ -121,6 +121,9 @@ STREAMS = (1, 2)
 # 64-byte swizzle: a 2-bit value plane's 32 tokens are one swizzle column.
 P_SWIZZLE = 64
 STAGES = 3
+# Ring depth of the staged schedule: one two-warpgroup program per SM keeps fewer bytes in
+# flight than two one-warpgroup programs with the same ring.
+STAGED_STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
 # valid-token count) is padded to 32 int32 entries.
 _COPY_WORDS = 32
@@ -305,9 +308,10 @@ def _kernel(
     key_operand: str,
     handoff=None,  # staged: (alpha f32[P_BUFFERS, N], p_ready, p_free, v_free, keys_done)
 ):
-    # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
-    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[buffers, N, tile].
+    # k [stages, tile, W]; v [stages, tile, d / n_v] or [stages, d, tile / n_v]; meta
+    # f16|u8[4, stages, tile] (k scale, k zero, v scale, v zero); p^T f16[buffers, N, tile].
     (k_smem, v_smem, meta_smem, pt_smem), out_smem = ring
+    stages = k_smem.shape[0]  # the ring's depth
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
     si = lax.axis_index("s")
@@ -377,7 +381,7 @@ def _kernel(
 
     @issuer
     def _fill():
-        for st in range(STAGES - 1):
+        for st in range(stages - 1):
             pl.when(st < n_steps)(functools.partial(issue, st, st))
 
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
@@ -548,13 +552,13 @@ def _kernel(
             carry0, softmax, store_probabilities = key_side()
 
             def kstep(i, carry, masked):
-                slot = lax.rem(i, STAGES)
-                nxt = i + STAGES - 1
+                slot = lax.rem(i, stages)
+                nxt = i + stages - 1
 
                 @pl.when(nxt < n_steps)
                 def _next():  # into the slot of step i - 1, once the values have left it
-                    pl.when(i >= 1)(lambda: plgpu.barrier_wait(v_free.at[lax.rem(i - 1, STAGES)]))
-                    issue(nxt, lax.rem(nxt, STAGES))
+                    pl.when(i >= 1)(lambda: plgpu.barrier_wait(v_free.at[lax.rem(i - 1, stages)]))
+                    issue(nxt, lax.rem(nxt, stages))
 
                 plgpu.barrier_wait(bars.at[slot])
                 m_new, l_i, zc, alpha, pv = softmax(i, carry, slot, masked)
@@ -576,7 +580,7 @@ def _kernel(
         @pl.when(wg == 1)
         def _values_warpgroup():
             def vstep(i, carry, acc_ref):
-                slot = lax.rem(i, STAGES)
+                slot = lax.rem(i, stages)
                 plgpu.barrier_wait(bars.at[slot])
                 codes = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA)
                 plgpu.barrier_arrive(v_free.at[slot])  # the codes are in registers
@@ -604,12 +608,12 @@ def _kernel(
     carry0, softmax, store_probabilities = key_side()
 
     def step(i, carry, acc_ref, masked):
-        slot = lax.rem(i, STAGES)
-        nxt = i + STAGES - 1
+        slot = lax.rem(i, stages)
+        nxt = i + stages - 1
 
         @pl.when(nxt < n_steps)
         def _next():
-            issue(nxt, lax.rem(nxt, STAGES))
+            issue(nxt, lax.rem(nxt, stages))
 
         plgpu.barrier_wait(bars.at[slot])
         if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
@@ -705,6 +709,7 @@ def lowbit_partials(
     mask: str = "last",
     n_pad: int | None = None,
     streams: int | None = None,
+    stages: int | None = None,
     columns: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
@@ -722,6 +727,7 @@ def lowbit_partials(
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
     column ``t * N / streams + g``.
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
+    ``stages``: the ring's depth (default `STAGES`, `STAGED_STAGES` for overlap="staged").
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -761,6 +767,10 @@ def lowbit_partials(
             "overlap='staged' needs int_to_float='s8', value_layout='dims' and stage='full', got "
             f"{int_to_float=}, {value_layout=}, {stage=}"
         )
+    if stages is None:
+        stages = STAGED_STAGES if staged else STAGES
+    if not 2 <= stages <= 8:
+        raise ValueError(f"stages={stages} must be in [2, 8]")
     key_operand = "s8" if int_to_float == "s8" else "f16"
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
@@ -807,7 +817,7 @@ def lowbit_partials(
 
     def code_tiles(rows, cols):
         tf = _swizzled(cols, 8) if code_copy == "tma" else ()
-        return plgpu.SMEM((STAGES, rows, cols), jnp.uint8, transforms=tf)
+        return plgpu.SMEM((stages, rows, cols), jnp.uint8, transforms=tf)
 
     if value_layout == "dims":
         v_smem = code_tiles(d, v_cols)
@@ -836,7 +846,7 @@ def lowbit_partials(
         (
             code_tiles(tile, width),
             v_smem,
-            plgpu.SMEM((4, STAGES, tile), meta_dtype),
+            plgpu.SMEM((4, stages, tile), meta_dtype),
             plgpu.SMEM(
                 (P_BUFFERS if staged else 1, n_pad, tile),
                 jnp.float16,
@@ -863,14 +873,14 @@ def lowbit_partials(
         bar_in=plgpu.Barrier(
             num_arrivals=(d // _S8_K if key_operand == "s8" else n) * streams + 2, num_barriers=1
         ),
-        bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
+        bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=stages),
     )
     if staged:  # the two warpgroups' hand-over: rescale factors, and when a buffer is ready/free
         scratch["handoff"] = (
             plgpu.SMEM((P_BUFFERS, n_pad), jnp.float32),
             plgpu.Barrier(num_arrivals=1, num_barriers=P_BUFFERS),
             plgpu.Barrier(num_arrivals=1, num_barriers=P_BUFFERS),
-            plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         )
     acc, m, l = _split_call(

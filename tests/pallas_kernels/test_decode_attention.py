@@ -575,8 +575,9 @@ def test_mosaic_overlapped_mmas_match_the_serial_step(case: Case):
 
 
 @pytest.mark.parametrize("case", [c for c in _OVERLAP_CASES if c.value_layout == "dims"], ids=str)
-def test_mosaic_two_warpgroup_schedule_matches_the_serial_step(case: Case):
-    _check_schedule(case, dict(overlap="staged"), dict(overlap="none"), run=True)
+@pytest.mark.parametrize("stages", [3, 8])
+def test_mosaic_two_warpgroup_schedule_matches_the_serial_step(case: Case, stages: int):
+    _check_schedule(case, dict(overlap="staged", stages=stages), dict(overlap="none"), run=True)
 
 
 def test_mosaic_two_warpgroup_schedule_rejects_other_operands():
@@ -716,6 +717,7 @@ def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
         dict(overlap="none"),
         dict(overlap="values"),
         dict(overlap="staged"),
+        dict(overlap="staged", stages=8),
         dict(mask="every"),
         dict(n_pad=16),
         dict(streams=1),
