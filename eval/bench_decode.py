@@ -248,8 +248,8 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # masking every step) are in BENCHMARKS.md.
     full = (128, "dims", "full", "bulk")
     runs = [(*full, "values", "last", None, k, None) for k in INT_TO_FLOAT_ROWS]
-    runs += [(*full, "values", "last", None, "s8", 5)]
-    runs += [(*full, "staged", "last", None, "s8", st) for st in (None, 5, 8)]
+    runs += [(*full, "staged", "last", None, "s8", None)]
+    runs += [(128, "dims", "keys", "bulk", "staged", "last", None, "s8", None)]
     runs += [
         (128, "dims", "keys", "bulk", "values", "last", None, k, None) for k in INT_TO_FLOAT_ROWS
     ]

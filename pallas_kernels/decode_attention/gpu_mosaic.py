@@ -581,11 +581,18 @@ def _kernel(
         def _values_warpgroup():
             def vstep(i, carry, acc_ref):
                 slot = lax.rem(i, stages)
+                buf = lax.rem(i, P_BUFFERS)
                 plgpu.barrier_wait(bars.at[slot])
+                if stage == "keys":  # attribution: the hand-over alone, no value work
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    plgpu.barrier_wait(p_ready.at[buf])
+                    pl.when(i >= 1)(
+                        lambda: plgpu.barrier_arrive(p_free.at[lax.rem(i - 1, P_BUFFERS)])
+                    )
+                    return carry
                 codes = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA)
                 plgpu.barrier_arrive(v_free.at[slot])  # the codes are in registers
                 v_planes = unpack(codes, v_bits)
-                buf = lax.rem(i, P_BUFFERS)
                 plgpu.barrier_wait(p_ready.at[buf])
                 alpha = plgpu.load(alpha_smem.at[buf], (), layout=col)
                 # Reading the accumulator waits for step i - 1's MMAs: their buffer is free.
@@ -762,9 +769,10 @@ def lowbit_partials(
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
     staged = overlap == "staged"
-    if staged and (int_to_float, value_layout, stage) != ("s8", "dims", "full"):
+    if staged and ((int_to_float, value_layout) != ("s8", "dims") or stage not in ("full", "keys")):
         raise ValueError(
-            "overlap='staged' needs int_to_float='s8', value_layout='dims' and stage='full', got "
+            "overlap='staged' needs int_to_float='s8', value_layout='dims' and stage='full' or "
+            "'keys', got "
             f"{int_to_float=}, {value_layout=}, {stage=}"
         )
     if stages is None:
