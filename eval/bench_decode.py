@@ -243,17 +243,12 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
     # (page, value layout, stage, code copies, overlap, mask, (MMA columns, token streams),
-    # int_to_float, ring stages). None: the kernel's defaults. Rows of earlier sessions (N = 16,
-    # one token stream, tensor-map copies, jnp unpack, token-major values, the serial schedule,
-    # masking every step) are in BENCHMARKS.md.
-    full = (128, "dims", "full", "bulk")
-    runs = [(*full, "values", "last", None, k, None) for k in INT_TO_FLOAT_ROWS]
-    runs += [(*full, "staged", "last", None, "s8", None)]
-    runs += [(128, "dims", "keys", "bulk", "staged", "last", None, "s8", None)]
-    runs += [
-        (128, "dims", "keys", "bulk", "values", "last", None, k, None) for k in INT_TO_FLOAT_ROWS
-    ]
-    runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm", None)]
+    # int_to_float). None: the kernel's defaults. Rows of earlier sessions (N = 16, one token
+    # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
+    # every step) are in BENCHMARKS.md.
+    runs = [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -267,21 +262,10 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, overlap, mask, nc, ko, st in [
-            r for r in runs if r[:2] == (page_q, vl)
-        ]:
+        for _, _, stage, copy, overlap, mask, nc, ko in [r for r in runs if r[:2] == (page_q, vl)]:
 
             def call(
-                c,
-                qg,
-                stage=stage,
-                vl=vl,
-                copy=copy,
-                overlap=overlap,
-                mask=mask,
-                nc=nc,
-                ko=ko,
-                st=st,
+                c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap, mask=mask, nc=nc, ko=ko
             ):
                 n_pad, streams = nc or (None, None)
                 return gm.lowbit_partials(
@@ -298,7 +282,6 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     n_pad=n_pad,
                     streams=streams,
                     int_to_float=ko,
-                    stages=st,
                     columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
@@ -308,7 +291,6 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name += "_mask_every" if mask == "every" else ""
             name += f"_n{nc[0]}_streams{nc[1]}" if nc else ""
             name += {"asm": "", "s8": "_s8_keys"}[ko]
-            name += f"_stages{st}" if st else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -444,8 +426,6 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_vdims": _dims(2),
     # Key codes as float16 operands through inline PTX (`gpu_mosaic._planes_asm`; the default
     # since session 17 is 8-bit integer key operands, the plain `*_mosaic_vdims` rows).
-    # Two warpgroups per program: keys and softmax beside the values (`gpu_mosaic.OVERLAPS`).
-    "int2_mosaic_vdims_staged": _dims(2, overlap="staged"),
     "int2_mosaic_vdims_asm": _dims(2, int_to_float="asm"),
     "int4_mosaic_vdims_asm": _dims(4, int_to_float="asm"),
     # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).

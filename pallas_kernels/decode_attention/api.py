@@ -286,9 +286,7 @@ def decode_attention(
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums", "overlap")
-)
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums"))
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]
     fp: FpPages,
@@ -308,7 +306,6 @@ def decode_attention_variant(
     gather: str | None = None,
     int_to_float: str | None = None,
     row_sums: str | None = None,
-    overlap: str | None = None,
 ) -> jax.Array:  # f32[B, Hq, d]
     """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
 
@@ -317,8 +314,6 @@ def decode_attention_variant(
         defaults (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` / ``DEFAULT_ROW_SUMS`` of the
         backend module; the modes a backend supports are its ``GATHER_MODES`` /
         ``INT_TO_FLOAT`` / ``ROW_SUMS``).
-      overlap: what runs beside the MMAs in flight, for a backend that lists ``OVERLAPS``
-        (Mosaic GPU: `gpu_mosaic.OVERLAPS`); ``None`` takes its ``DEFAULT_OVERLAP``.
       Others: as in `decode_attention`.
     """
     dims = _validate(q, fp, lowbit, transforms, bits=bits, value_layout=value_layout, bits_v=bits_v)
@@ -347,9 +342,6 @@ def decode_attention_variant(
         raise ValueError(
             f"int_to_float={int_to_float!r} must be one of {mod.INT_TO_FLOAT} for {backend=}"
         )
-    overlaps = getattr(mod, "OVERLAPS", None)
-    if overlap is not None and (overlaps is None or overlap not in overlaps):
-        raise ValueError(f"overlap={overlap!r} must be one of {overlaps} for {backend=}")
     row_sums = mod.DEFAULT_ROW_SUMS if row_sums is None else row_sums
     if row_sums not in mod.ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r} must be one of {mod.ROW_SUMS} for {backend=}")
@@ -377,7 +369,6 @@ def decode_attention_variant(
         gather=gather,
         int_to_float=int_to_float,
         row_sums=row_sums,
-        overlap=overlap,
         group=g,
         value_layout=value_layout,
     )

@@ -93,11 +93,7 @@ CODE_COPIES = ("auto", "tma", "bulk")
 # What runs under the MMAs in flight: "none" waits after each product (the serial twin);
 # "values" leaves a step's value MMAs in flight over the next step's loads, key unpack and
 # key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k).
-# "staged": two warpgroups per program, one for the keys and the softmax, one for the values
-# (unpack, rescale, value MMAs), handing probabilities over a double-buffered shared tile:
-# a step's value work runs beside the next step's key work (s8 keys, dims values).
-OVERLAPS = ("none", "values", "staged")
-P_BUFFERS = 2  # probability tiles in flight between the two warpgroups of "staged"
+OVERLAPS = ("none", "values")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
@@ -121,9 +117,6 @@ STREAMS = (1, 2)
 # 64-byte swizzle: a 2-bit value plane's 32 tokens are one swizzle column.
 P_SWIZZLE = 64
 STAGES = 3
-# Ring depth of the staged schedule: one two-warpgroup program per SM keeps fewer bytes in
-# flight than two one-warpgroup programs with the same ring.
-STAGED_STAGES = 3
 # Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
 # valid-token count) is padded to 32 int32 entries.
 _COPY_WORDS = 32
@@ -289,7 +282,7 @@ def _kernel(
     tab_smem,
     ring,  # the loop's buffers, aliased with the epilogue's f32[d, N] output tile
     v16_smem,
-    vec_smem,  # f32[3, N]: m, l, and (staged) the value zero-point correction
+    vec_smem,
     bar_in,
     bars,
     *,
@@ -306,16 +299,13 @@ def _kernel(
     overlap: str,
     mask: str,
     key_operand: str,
-    handoff=None,  # staged: (alpha f32[P_BUFFERS, N], p_ready, p_free, v_free, keys_done)
 ):
-    # k [stages, tile, W]; v [stages, tile, d / n_v] or [stages, d, tile / n_v]; meta
-    # f16|u8[4, stages, tile] (k scale, k zero, v scale, v zero); p^T f16[buffers, N, tile].
+    # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
+    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile].
     (k_smem, v_smem, meta_smem, pt_smem), out_smem = ring
-    stages = k_smem.shape[0]  # the ring's depth
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
     si = lax.axis_index("s")
-    staged = overlap == "staged"
     # q_smem [n, streams, N, W]: per plane and token stream, the query block whose rows are
     # the stream's columns (the other rows zero).
     # s8 keys: q_smem [d / 64, streams, 2N, 64], each K = 64 dims block of the high and low
@@ -334,22 +324,13 @@ def _kernel(
     v_width = d // layout.codes_per_byte(v_bits)
     tiles_per_page = page // tile
     block = _S8_K if s8 else width
-    # One warpgroup issues every copy (staged: the keys' warpgroup); both wait on them.
-    if staged:
-        wg = lax.axis_index("wg")
-        issuer = pl.when(wg == 0)
-    else:
-        issuer = lambda f: f()  # noqa: E731
-
-    @issuer
-    def _prologue():
-        for p in range(q_smem.shape[0]):  # plane (or s8 block) p: the query's dims [pW, (p+1)W)
-            for t in range(streams):
-                plgpu.copy_gmem_to_smem(
-                    q_gmem.at[bi, h, t, :, pl.ds(p * block, block)], q_smem.at[p, t], bar_in.at[0]
-                )
-        plgpu.copy_gmem_to_smem(qmeta_gmem.at[bi, h], qmeta_smem, bar_in.at[0])
-        plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
+    for p in range(q_smem.shape[0]):  # plane (or s8 block) p: the query's dims [p W, (p + 1) W)
+        for t in range(streams):
+            plgpu.copy_gmem_to_smem(
+                q_gmem.at[bi, h, t, :, pl.ds(p * block, block)], q_smem.at[p, t], bar_in.at[0]
+            )
+    plgpu.copy_gmem_to_smem(qmeta_gmem.at[bi, h], qmeta_smem, bar_in.at[0])
+    plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
 
@@ -379,89 +360,80 @@ def _kernel(
         for r, src in enumerate((ks_gmem, kz_gmem, vs_gmem, vz_gmem)):
             copy(src.at[pg, h, rows], meta_smem.at[r, slot], bar)
 
-    @issuer
-    def _fill():
-        for st in range(stages - 1):
-            pl.when(st < n_steps)(functools.partial(issue, st, st))
+    for st in range(STAGES - 1):
+        pl.when(st < n_steps)(functools.partial(issue, st, st))
 
     row = plgpu.Layout.WGMMA.reduce(1)  # a value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # a value per query column
-    wgmma_layout = plgpu.Layout.WGMMA
+
+    def query_sums(acc_ref):  # sum(q) per column on the tensor cores: a ones tile @ q^T
+        ones = plgpu.layout_cast(jnp.full((TILE, width), 1.0, jnp.float16), plgpu.Layout.WGMMA)
+        for p in range(n_planes):
+            for t in range(streams):
+                plgpu.wgmma(acc_ref, ones, plgpu.transpose_ref(q_smem.at[p, t], (1, 0)))
+        return acc_ref[...]
+
+    if s8:  # the wrapper's sums of the reconstructed query (`split_query_s8`)
+        q_scale = plgpu.load(qmeta_smem.at[pl.ds(0, npad)], (), layout=col)
+        qsum = plgpu.load(qmeta_smem.at[pl.ds(npad, npad)], (), layout=col)
+    else:  # every row holds the same sums of the float16 query the key MMAs read
+        qsum = pl.run_scoped(query_sums, plgpu.ACC((TILE, npad), jnp.float32)).max(axis=0)
     shape = (rows, npad)
     bcast_row = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[0])
     bcast_col = functools.partial(lax.broadcast_in_dim, shape=shape, broadcast_dimensions=[1])
+    # Which stream a column belongs to (a function of the lane: no per-step cost).
+    col_stream = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) // gcol
+    row_tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    tok_in_step = row_tok + col_stream * rows  # the token of element (r, c) within a step
 
-    def by_column(v):  # [N] -> [d, N]: the value accumulator's rescale and correction
-        return lax.broadcast_in_dim(v, (d, npad), [1])
-
-    # Only a step that reaches past `count` masks its tokens (mask="last"): the others skip
-    # the iota, compare and three selects per element. mask="every" is the twin that masks all.
-    n_full = n_steps if mask == "every" else count // tile
-
-    def steps(body, carry):  # the full steps, then the masked ones
-        out = lax.fori_loop(0, n_full, functools.partial(body, masked=mask == "every"), carry)
-        return lax.fori_loop(n_full, n_steps, functools.partial(body, masked=True), out)
+    def per_element(vectors):  # one [rows] vector per stream -> [rows, N]
+        out = bcast_row(vectors[0])
+        for t in range(1, streams):
+            out = jnp.where(col_stream == t, bcast_row(vectors[t]), out)
+        return out
 
     def planes(tile_ref, bits):
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
-        return unpack(w, bits)
-
-    def unpack(w, bits):
         if asm:
             return _planes_asm(w, bits)
         n = layout.codes_per_byte(bits)
         return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
 
-    def key_side():
-        """The keys' and softmax's state and step: (carry0, softmax(i, carry, slot, masked)
-        -> (m, l, zc, alpha, p * vs)). Traced where it is used: the other warpgroup of a
-        staged program holds none of it."""
+    def meta(r, slot):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero; [rows, N]
+        vectors = []
+        for t in range(streams):
+            stored = plgpu.load(meta_smem.at[r, slot, pl.ds(t * rows, rows)], (), layout=row)
+            if not meta_u8:
+                vectors.append(stored.astype(jnp.float32))
+            # The 8-bit encoding decodes with integer ops and a bitcast (layout.py): the
+            # same float32 the reference reconstructs.
+            elif r % 2 == 0:
+                vectors.append(layout.decode_scale(stored))
+            else:
+                vectors.append(layout.decode_zero(stored, k_bits if r < 2 else v_bits))
+        return per_element(vectors)
 
-        def query_sums(acc_ref):  # sum(q) per column on the tensor cores: a ones tile @ q^T
-            ones = plgpu.layout_cast(jnp.full((TILE, width), 1.0, jnp.float16), plgpu.Layout.WGMMA)
-            for p in range(n_planes):
-                for t in range(streams):
-                    plgpu.wgmma(acc_ref, ones, plgpu.transpose_ref(q_smem.at[p, t], (1, 0)))
-            return acc_ref[...]
+    def step(i, carry, acc_ref, masked):
+        m_i, l_i, zc = carry
+        slot = lax.rem(i, STAGES)
+        nxt = i + STAGES - 1
 
-        if s8:  # the wrapper's sums of the reconstructed query (`split_query_s8`)
-            q_scale = plgpu.load(qmeta_smem.at[pl.ds(0, npad)], (), layout=col)
-            qsum = plgpu.load(qmeta_smem.at[pl.ds(npad, npad)], (), layout=col)
-        else:  # every row holds the same sums of the float16 query the key MMAs read
-            qsum = pl.run_scoped(query_sums, plgpu.ACC((TILE, npad), jnp.float32)).max(axis=0)
-        # Which stream a column belongs to (a function of the lane: no per-step cost).
-        col_stream = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) // gcol
-        row_tok = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
-        tok_in_step = row_tok + col_stream * rows  # the token of element (r, c) within a step
+        @pl.when(nxt < n_steps)
+        def _next():
+            issue(nxt, lax.rem(nxt, STAGES))
 
-        def per_element(vectors):  # one [rows] vector per stream -> [rows, N]
-            out = bcast_row(vectors[0])
-            for t in range(1, streams):
-                out = jnp.where(col_stream == t, bcast_row(vectors[t]), out)
-            return out
+        plgpu.barrier_wait(bars.at[slot])
+        if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
+            return carry
 
-        def meta(r, slot):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero; [rows, N]
-            vectors = []
-            for t in range(streams):
-                stored = plgpu.load(meta_smem.at[r, slot, pl.ds(t * rows, rows)], (), layout=row)
-                if not meta_u8:
-                    vectors.append(stored.astype(jnp.float32))
-                # The 8-bit encoding decodes with integer ops and a bitcast (layout.py): the
-                # same float32 the reference reconstructs.
-                elif r % 2 == 0:
-                    vectors.append(layout.decode_scale(stored))
-                else:
-                    vectors.append(layout.decode_zero(stored, k_bits if r < 2 else v_bits))
-            return per_element(vectors)
-
-        def keys(acc_ref, slot):  # stream t's tokens against its query block
+        def keys(acc_ref):  # stream t's tokens against its query block
             for t in range(streams):
                 tokens = k_smem.at[slot, pl.ds(t * rows, rows)]
                 for p, plane in enumerate(planes(tokens, k_bits)):
                     plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[p, t], (1, 0)))
             return acc_ref[...]  # waits for every MMA in flight
 
-        def keys_s8(acc_ref, slot):  # [rows, 2N] int32: high parts' sums, then the low parts'
+        def keys_s8(acc_ref):  # [rows, 2N] int32: high parts' sums, then the low parts'
             for t in range(streams):
                 tokens = k_smem.at[slot, pl.ds(t * rows, rows)]
                 codes = plgpu.load(tokens, (), layout=plgpu.Layout.WGMMA_8BIT)
@@ -469,188 +441,91 @@ def _kernel(
                     plgpu.wgmma(acc_ref, plane, plgpu.transpose_ref(q_smem.at[g, t], (1, 0)))
             return acc_ref[...]
 
-        def softmax(i, carry, slot, masked):
-            m_i, l_i, zc = carry
-            if s8:
-                sums = pl.run_scoped(
-                    functools.partial(keys_s8, slot=slot), plgpu.ACC((rows, 2 * npad), jnp.int32)
-                )
-                hi = sums[:, :npad].astype(jnp.float32)
-                lo = sums[:, npad:].astype(jnp.float32)
-                raw = (hi + lo * (1.0 / _LO)) * bcast_col(q_scale)
-            else:
-                raw = pl.run_scoped(
-                    functools.partial(keys, slot=slot), plgpu.ACC(shape, jnp.float32)
-                )
-            ks, kz = meta(0, slot), meta(1, slot)
-            logits = ks * (raw - kz * bcast_col(qsum))
-            if masked:  # the split's last step: tokens past `count` (their pages may hold NaN)
-                valid = tok_in_step + i * tile < count
-                logits = jnp.where(valid, logits, da.NEG_INF)
-            m_new = jnp.maximum(m_i, logits.max(axis=0))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(logits - bcast_col(m_new))
-            vs, vz = meta(2, slot), meta(3, slot)
-            pv = p * vs
-            if masked:
-                pv = jnp.where(valid, pv, 0.0)
-            pvz = pv * vz
-            if masked:
-                pvz = jnp.where(valid, pvz, 0.0)
-            # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
-            # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
-            l_i = l_i * bcast_col(alpha) + p
-            zc = zc * bcast_col(alpha) + pvz
-            return m_new, l_i, zc, alpha, pv
-
-        def store_probabilities(pv, buf):
-            # Stream t's tokens are columns [t rows, (t + 1) rows) of p^T, nonzero only in the
-            # stream's rows. Two lanes swap halves of their 2x2 blocks (one shuffle per
-            # register) so the tile stores transposed.
-            for t in range(streams):
-                part = pv if streams == 1 else jnp.where(col_stream == t, pv, 0.0)
-                pt = plgpu.layout_cast(part.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.transpose_ref(pt_smem.at[buf, :, pl.ds(t * rows, rows)], (1, 0))[...] = pt
-
-        carry = (
-            plgpu.layout_cast(jnp.full((npad,), da.NEG_INF, jnp.float32), col),
-            plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
-            plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
-        )
-        return carry, softmax, store_probabilities
-
-    def value_mmas(acc_ref, v_planes, buf):
-        p_ref = plgpu.transpose_ref(pt_smem.at[buf], (1, 0))  # [tile, N]
+        if s8:
+            sums = pl.run_scoped(keys_s8, plgpu.ACC((rows, 2 * npad), jnp.int32))
+            hi = sums[:, :npad].astype(jnp.float32)
+            lo = sums[:, npad:].astype(jnp.float32)
+            raw = (hi + lo * (1.0 / _LO)) * bcast_col(q_scale)
+        else:
+            raw = pl.run_scoped(keys, plgpu.ACC(shape, jnp.float32))
+        ks, kz = meta(0, slot), meta(1, slot)
+        logits = ks * (raw - kz * bcast_col(qsum))
+        if masked:  # the split's last step: tokens past `count` (their pages may hold NaN)
+            valid = tok_in_step + i * tile < count
+            logits = jnp.where(valid, logits, da.NEG_INF)
+        m_new = jnp.maximum(m_i, logits.max(axis=0))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(logits - bcast_col(m_new))
+        vs, vz = meta(2, slot), meta(3, slot)
+        pv = p * vs
+        if masked:
+            pv = jnp.where(valid, pv, 0.0)
+        pvz = pv * vz
+        if masked:
+            pvz = jnp.where(valid, pvz, 0.0)
+        # [tile, N] tiles, reduced over tokens once after the loop: a cross-warp reduction
+        # per step costs (run 20: 1.28 vs 1.04 ms at 8 x 128k with both sums per step).
+        l_i = l_i * bcast_col(alpha) + p
+        zc = zc * bcast_col(alpha) + pvz
+        if stage == "keys":  # no value product
+            return m_new, l_i, zc
         if value_layout == "dims":
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
             # but the probabilities.
+            v_planes = planes(v_smem.at[slot], v_bits)
+        else:
+            for c, plane in enumerate(planes(v_smem.at[slot], v_bits)):
+                v16_smem.at[:, pl.ds(c * v_width, v_width)][...] = plane
+        # Stream t's tokens are columns [t rows, (t + 1) rows) of p^T, nonzero only in the
+        # stream's rows. Two lanes swap halves of their 2x2 blocks (one shuffle per
+        # register) so the tile stores transposed.
+        for t in range(streams):
+            part = pv if streams == 1 else jnp.where(col_stream == t, pv, 0.0)
+            pt = plgpu.layout_cast(part.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(pt_smem.at[:, pl.ds(t * rows, rows)], (1, 0))[...] = pt
+        plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
+        # Reading the accumulator waits for every MMA in flight: with overlap="values" the
+        # previous step's value MMAs ran under this step's loads, key unpack and key MMAs.
+        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (d, npad), [1])
+        p_ref = plgpu.transpose_ref(pt_smem, (1, 0))  # [tile, N]
+        if value_layout == "dims":
             kb = tile // len(v_planes)
             for c, plane in enumerate(v_planes):
                 plgpu.wgmma(acc_ref, plane, p_ref.at[pl.ds(c * kb, kb)])
         else:
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_ref)
-
-    def write_out(acc, zc):
-        # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
-        out_smem[...] = acc - by_column(zc)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, si])
-
-    def write_stats(m_i, l_i):
-        vec_smem.at[0][...] = m_i
-        vec_smem.at[1][...] = l_i
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, si])
-        plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, si])
-
-    if staged:
-        alpha_smem, p_ready, p_free, v_free, keys_done = handoff
-
-        @pl.when(wg == 0)
-        def _keys_warpgroup():
-            carry0, softmax, store_probabilities = key_side()
-
-            def kstep(i, carry, masked):
-                slot = lax.rem(i, stages)
-                nxt = i + stages - 1
-
-                @pl.when(nxt < n_steps)
-                def _next():  # into the slot of step i - 1, once the values have left it
-                    pl.when(i >= 1)(lambda: plgpu.barrier_wait(v_free.at[lax.rem(i - 1, stages)]))
-                    issue(nxt, lax.rem(nxt, stages))
-
-                plgpu.barrier_wait(bars.at[slot])
-                m_new, l_i, zc, alpha, pv = softmax(i, carry, slot, masked)
-                buf = lax.rem(i, P_BUFFERS)
-                # The value MMAs of step i - P_BUFFERS have read this buffer.
-                pl.when(i >= P_BUFFERS)(lambda: plgpu.barrier_wait(p_free.at[buf]))
-                store_probabilities(pv, buf)
-                alpha_smem.at[buf][...] = alpha
-                plgpu.commit_smem()  # the next step's copy and the other warpgroup read these
-                plgpu.barrier_arrive(p_ready.at[buf])
-                return m_new, l_i, zc
-
-            m_i, l_i, zc = steps(kstep, carry0)
-            vec_smem.at[2][...] = zc.sum(axis=0)
-            write_stats(m_i, l_i.sum(axis=0))
-            plgpu.barrier_arrive(keys_done.at[0])
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == 1)
-        def _values_warpgroup():
-            def vstep(i, carry, acc_ref):
-                slot = lax.rem(i, stages)
-                buf = lax.rem(i, P_BUFFERS)
-                plgpu.barrier_wait(bars.at[slot])
-                if stage == "keys":  # attribution: the hand-over alone, no value work
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    plgpu.barrier_wait(p_ready.at[buf])
-                    pl.when(i >= 1)(
-                        lambda: plgpu.barrier_arrive(p_free.at[lax.rem(i - 1, P_BUFFERS)])
-                    )
-                    return carry
-                codes = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA)
-                plgpu.barrier_arrive(v_free.at[slot])  # the codes are in registers
-                v_planes = unpack(codes, v_bits)
-                plgpu.barrier_wait(p_ready.at[buf])
-                alpha = plgpu.load(alpha_smem.at[buf], (), layout=col)
-                # Reading the accumulator waits for step i - 1's MMAs: their buffer is free.
-                acc_ref[...] = acc_ref[...] * by_column(alpha)
-                pl.when(i >= 1)(lambda: plgpu.barrier_arrive(p_free.at[lax.rem(i - 1, P_BUFFERS)]))
-                value_mmas(acc_ref, v_planes, buf)
-                return carry
-
-            def loop(acc_ref):
-                lax.fori_loop(0, n_steps, functools.partial(vstep, acc_ref=acc_ref), 0)
-                return acc_ref[...]
-
-            acc = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
-            plgpu.barrier_wait(keys_done.at[0])  # every copy has landed; zc is in vec_smem
-            write_out(acc, plgpu.load(vec_smem.at[2], (), layout=col))
-            plgpu.wait_smem_to_gmem(0)
-
-        return
-
-    carry0, softmax, store_probabilities = key_side()
-
-    def step(i, carry, acc_ref, masked):
-        slot = lax.rem(i, stages)
-        nxt = i + stages - 1
-
-        @pl.when(nxt < n_steps)
-        def _next():
-            issue(nxt, lax.rem(nxt, stages))
-
-        plgpu.barrier_wait(bars.at[slot])
-        if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
-            return carry
-        m_new, l_i, zc, alpha, pv = softmax(i, carry, slot, masked)
-        if stage == "keys":  # no value product
-            return m_new, l_i, zc
-        if value_layout == "dims":
-            v_planes = planes(v_smem.at[slot], v_bits)
-        else:
-            v_planes = None
-            for c, plane in enumerate(planes(v_smem.at[slot], v_bits)):
-                v16_smem.at[:, pl.ds(c * v_width, v_width)][...] = plane
-        store_probabilities(pv, 0)
-        plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
-        # Reading the accumulator waits for every MMA in flight: with overlap="values" the
-        # previous step's value MMAs ran under this step's loads, key unpack and key MMAs.
-        acc_ref[...] = acc_ref[...] * by_column(alpha)
-        value_mmas(acc_ref, v_planes, 0)
         if overlap != "values":
             plgpu.wgmma_wait(0)
         return m_new, l_i, zc
 
+    wgmma_layout = plgpu.Layout.WGMMA
+    carry = (
+        plgpu.layout_cast(jnp.full((npad,), da.NEG_INF, jnp.float32), col),
+        plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
+    )
+
+    # Only a step that reaches past `count` masks its tokens (mask="last"): the others skip
+    # the iota, compare and three selects per element. mask="every" is the twin that masks all.
+    n_full = n_steps if mask == "every" else count // tile
+
     def loop(acc_ref):  # the value accumulator stays an MMA accumulator across steps
-        out = steps(functools.partial(step, acc_ref=acc_ref), carry0)
+        body = functools.partial(step, acc_ref=acc_ref)
+        out = lax.fori_loop(0, n_full, functools.partial(body, masked=mask == "every"), carry)
+        out = lax.fori_loop(n_full, n_steps, functools.partial(body, masked=True), out)
         return acc_ref[...], *out
 
     acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
-    write_out(acc, zc.sum(axis=0))
-    write_stats(m_i, l_i.sum(axis=0))
+    l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
+    # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
+    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, npad), [1])
+    vec_smem.at[0][...] = m_i
+    vec_smem.at[1][...] = l_i
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, si])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -666,17 +541,9 @@ def _split_rows(tab: jax.Array, lens: jax.Array, page: int, row_pages: int) -> j
     return jnp.concatenate(parts, axis=-1).reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
 
 
-def _split_call(
-    kernel,
-    scratch: dict,
-    shape: tuple[int, ...],
-    *,
-    auto_barriers: bool = False,
-    warpgroups: int = 1,
-):
+def _split_call(kernel, scratch: dict, shape: tuple[int, ...], *, auto_barriers: bool = False):
     """The `plgpu.kernel` of a split kernel: grid (B, Hkv, S), outputs acc f32[B, Hkv, S, d, N]
-    and m, l f32[B, Hkv, S, N] (``shape`` = (B, Hkv, S, d, N)); ``warpgroups`` per program
-    (more than one: indexed by the axis "wg", the scratch shared).
+    and m, l f32[B, Hkv, S, N] (``shape`` = (B, Hkv, S, d, N)).
 
     Without auto barriers Pallas puts no warpgroup barrier before each TMA copy. Safe in both
     kernels: a slot is refilled only after its last reads, and every step ends in
@@ -695,7 +562,6 @@ def _split_call(
         grid=(b, hkv, s),
         grid_names=("b", "h", "s"),
         scratch_types=scratch,
-        **(dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}),
     )
 
 
@@ -716,7 +582,6 @@ def lowbit_partials(
     mask: str = "last",
     n_pad: int | None = None,
     streams: int | None = None,
-    stages: int | None = None,
     columns: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
@@ -734,7 +599,6 @@ def lowbit_partials(
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
     column ``t * N / streams + g``.
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
-    ``stages``: the ring's depth (default `STAGES`, `STAGED_STAGES` for overlap="staged").
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -768,17 +632,6 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
-    staged = overlap == "staged"
-    if staged and ((int_to_float, value_layout) != ("s8", "dims") or stage not in ("full", "keys")):
-        raise ValueError(
-            "overlap='staged' needs int_to_float='s8', value_layout='dims' and stage='full' or "
-            "'keys', got "
-            f"{int_to_float=}, {value_layout=}, {stage=}"
-        )
-    if stages is None:
-        stages = STAGED_STAGES if staged else STAGES
-    if not 2 <= stages <= 8:
-        raise ValueError(f"stages={stages} must be in [2, 8]")
     key_operand = "s8" if int_to_float == "s8" else "f16"
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
@@ -825,7 +678,7 @@ def lowbit_partials(
 
     def code_tiles(rows, cols):
         tf = _swizzled(cols, 8) if code_copy == "tma" else ()
-        return plgpu.SMEM((stages, rows, cols), jnp.uint8, transforms=tf)
+        return plgpu.SMEM((STAGES, rows, cols), jnp.uint8, transforms=tf)
 
     if value_layout == "dims":
         v_smem = code_tiles(d, v_cols)
@@ -854,12 +707,8 @@ def lowbit_partials(
         (
             code_tiles(tile, width),
             v_smem,
-            plgpu.SMEM((4, stages, tile), meta_dtype),
-            plgpu.SMEM(
-                (P_BUFFERS if staged else 1, n_pad, tile),
-                jnp.float16,
-                transforms=_swizzled(P_SWIZZLE),
-            ),
+            plgpu.SMEM((4, STAGES, tile), meta_dtype),
+            plgpu.SMEM((n_pad, tile), jnp.float16, transforms=_swizzled(P_SWIZZLE)),
         ),
         plgpu.SMEM((d, n_pad), jnp.float32),
     )
@@ -877,27 +726,15 @@ def lowbit_partials(
         tab_smem=plgpu.SMEM(tab_ext.shape[2:], jnp.int32),
         ring=ring,
         v16_smem=v16_smem,
-        vec_smem=plgpu.SMEM((3, n_pad), jnp.float32),
+        vec_smem=plgpu.SMEM((2, n_pad), jnp.float32),
         bar_in=plgpu.Barrier(
             num_arrivals=(d // _S8_K if key_operand == "s8" else n) * streams + 2, num_barriers=1
         ),
-        bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=stages),
+        bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
-    if staged:  # the two warpgroups' hand-over: rescale factors, and when a buffer is ready/free
-        scratch["handoff"] = (
-            plgpu.SMEM((P_BUFFERS, n_pad), jnp.float32),
-            plgpu.Barrier(num_arrivals=1, num_barriers=P_BUFFERS),
-            plgpu.Barrier(num_arrivals=1, num_barriers=P_BUFFERS),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        )
-    acc, m, l = _split_call(
-        kernel,
-        scratch,
-        (b, hkv, s, d, n_pad),
-        auto_barriers=auto_barriers,
-        warpgroups=2 if staged else 1,
-    )(qs, qmeta, kc, vc, *metas, tab_ext)
+    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, d, n_pad), auto_barriers=auto_barriers)(
+        qs, qmeta, kc, vc, *metas, tab_ext
+    )
     if columns:
         return acc, m, l
     acc, m, l = rows_of_columns(acc, m, l, streams=streams, group=group)
@@ -1126,7 +963,6 @@ ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "auto"
 DEFAULT_INT_TO_FLOAT = "s8"  # run 61: split kernel 0.304 vs 0.369 ms (asm) at 8 x 128k, 2 bits
 DEFAULT_ROW_SUMS = "deferred"
-DEFAULT_OVERLAP = "values"
 DEFAULT_PAGES_PER_BLOCK = 1  # split-table unit: a low-bit page is one or more whole tiles
 WIDE_PAGES_PER_BLOCK = 1  # (4-bit widths: the same)
 
@@ -1175,7 +1011,6 @@ def paged_decode(
         value_layout=cfg.value_layout,
         code_copy=cfg.gather,
         int_to_float=cfg.int_to_float,
-        overlap=DEFAULT_OVERLAP if cfg.overlap is None else cfg.overlap,
         columns=True,
     )
     # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout

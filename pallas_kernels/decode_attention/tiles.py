@@ -71,7 +71,6 @@ class DecodeConfig:
         correction. ``"deferred"`` (GPU): as ``[Gp, T]`` tiles rescaled like the accumulators
         and reduced once after the loop, so the row max is the only cross-warp reduction per
         step. ``"per_step"`` (TPU): reduced every step.
-      overlap: the Mosaic GPU body's schedule (`gpu_mosaic.OVERLAPS`); ``None``: its default.
       group: real query heads per KV head (``<= group_pad``); the GPU body writes only these
         rows of its split partials (a quarter of the bytes at GQA 4), ``None`` = all.
       value_layout: ``"tokens"`` or ``"dims"`` (`pallas_kernels.layout.VALUE_LAYOUTS`).
@@ -93,7 +92,6 @@ class DecodeConfig:
     gather: str = "pages"
     int_to_float: str = "convert"
     row_sums: str = "per_step"
-    overlap: str | None = None
     group: int | None = None
     value_layout: str = "tokens"
     bits_v: int | None = None

@@ -574,23 +574,6 @@ def test_mosaic_overlapped_mmas_match_the_serial_step(case: Case):
     _check_schedule(case, dict(overlap="values"), dict(overlap="none"), run=True)
 
 
-@pytest.mark.parametrize("case", [c for c in _OVERLAP_CASES if c.value_layout == "dims"], ids=str)
-@pytest.mark.parametrize("stages", [3, 8])
-def test_mosaic_two_warpgroup_schedule_matches_the_serial_step(case: Case, stages: int):
-    _check_schedule(case, dict(overlap="staged", stages=stages), dict(overlap="none"), run=True)
-
-
-def test_mosaic_two_warpgroup_schedule_rejects_other_operands():
-    """The staged schedule is written for 8-bit key operands and dimension-major values: other
-    settings are refused while tracing, naming them."""
-    case = _OVERLAP_CASES[2]  # token-major values
-    with pytest.raises(ValueError, match="value_layout='tokens'"):
-        _check_schedule(case, dict(overlap="staged"), None, run=False)
-    case = _OVERLAP_CASES[0]
-    with pytest.raises(ValueError, match="int_to_float='asm'"):
-        _check_schedule(case, dict(overlap="staged", int_to_float="asm"), None, run=False)
-
-
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
 def test_mosaic_masking_only_the_last_step_matches_masking_every_step(case: Case):
     _check_schedule(case, dict(mask="last"), dict(mask="every"), run=True)
@@ -716,8 +699,6 @@ def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
     [
         dict(overlap="none"),
         dict(overlap="values"),
-        dict(overlap="staged"),
-        dict(overlap="staged", stages=8),
         dict(mask="every"),
         dict(n_pad=16),
         dict(streams=1),
