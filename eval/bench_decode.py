@@ -229,7 +229,6 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
 # Operand kinds of the stage rows: float16 codes (inline PTX), 8-bit key codes
 # (`gpu_mosaic.INT_TO_FLOAT`; run 64's 8-bit values, slower, are in BENCHMARKS.md).
 INT_TO_FLOAT_ROWS = ("asm", "s8")
-VALUE_UNPACK_ROWS = ("offset", "subnormal")  # `gpu_mosaic.VALUE_UNPACKS`
 
 
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
@@ -244,19 +243,12 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     nbytes, n_fp, n_q = _bytes_lowbit(cfg, batch, ctx, 2)
     group = cfg.q_heads // cfg.kv_heads
     # (page, value layout, stage, code copies, overlap, mask, (MMA columns, token streams),
-    # int_to_float, value unpack). None: the kernel's defaults. Rows of earlier sessions
-    # (N = 16, one token stream, tensor-map copies, jnp unpack, token-major values, the
-    # serial schedule, masking every step) are in BENCHMARKS.md.
-    runs = [
-        (128, "dims", "full", "bulk", "values", "last", None, k, vu)
-        for k in INT_TO_FLOAT_ROWS
-        for vu in VALUE_UNPACK_ROWS
-    ]
-    runs += [
-        (128, "dims", "keys", "bulk", "values", "last", None, k, "subnormal")
-        for k in INT_TO_FLOAT_ROWS
-    ]
-    runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm", "subnormal")]
+    # int_to_float). None: the kernel's defaults. Rows of earlier sessions (N = 16, one token
+    # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
+    # every step) are in BENCHMARKS.md.
+    runs = [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
@@ -270,21 +262,10 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             jax.random.normal(jax.random.fold_in(key, 50 + i), (batch, cfg.kv_heads, group, 128))
             for i in range(len(caches))
         ]
-        for _, _, stage, copy, overlap, mask, nc, ko, vu in [
-            r for r in runs if r[:2] == (page_q, vl)
-        ]:
+        for _, _, stage, copy, overlap, mask, nc, ko in [r for r in runs if r[:2] == (page_q, vl)]:
 
             def call(
-                c,
-                qg,
-                stage=stage,
-                vl=vl,
-                copy=copy,
-                overlap=overlap,
-                mask=mask,
-                nc=nc,
-                ko=ko,
-                vu=vu,
+                c, qg, stage=stage, vl=vl, copy=copy, overlap=overlap, mask=mask, nc=nc, ko=ko
             ):
                 n_pad, streams = nc or (None, None)
                 return gm.lowbit_partials(
@@ -301,7 +282,6 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     n_pad=n_pad,
                     streams=streams,
                     int_to_float=ko,
-                    value_unpack=vu,
                     columns=True,  # the kernel's own outputs: no transpose after it
                 )
 
@@ -311,7 +291,6 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name += "_mask_every" if mask == "every" else ""
             name += f"_n{nc[0]}_streams{nc[1]}" if nc else ""
             name += {"asm": "", "s8": "_s8_keys"}[ko]
-            name += "_offset_values" if vu == "offset" and stage == "full" else ""
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),

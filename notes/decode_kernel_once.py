@@ -7,8 +7,7 @@
 
 VARIANT is a row name of `eval.bench_decode.LOWBIT_VARIANTS`, or ``mosaic_split:STAGE`` (the
 Mosaic split kernel alone, 2 bits, 128-token dimension-major pages, computing STAGE of
-`gpu_mosaic.STAGES_KINDS`: what `eval.bench_decode`'s ``mosaic_stages`` rows time; or
-``mosaic_split:full:UNPACK``, UNPACK of `gpu_mosaic.VALUE_UNPACKS`); the
+`gpu_mosaic.STAGES_KINDS`: what `eval.bench_decode`'s ``mosaic_stages`` rows time); the
 inputs (cache split into sink/recent full-precision and low-bit pages, random transforms) are
 the benchmark's own, at
 BATCHxCONTEXT (default 8x16384). The call is compiled and run once before the profiled call, so
@@ -26,9 +25,7 @@ import os
 import sys
 
 
-def run_split_once(stage: str, *rest) -> None:
-    *unpack, batch, ctx = rest
-    value_unpack = unpack[0] if unpack else "subnormal"
+def run_split_once(stage: str, batch: int, ctx: int) -> None:
     import jax
 
     from eval import bench_decode as bd
@@ -46,14 +43,7 @@ def run_split_once(stage: str, *rest) -> None:
     qg = jax.random.normal(jax.random.key(1), (batch, cfg.kv_heads, group, cfg.head_dim))
     f = jax.jit(
         lambda qg, ls: gm.lowbit_partials(
-            qg,
-            ls,
-            bits=2,
-            scale_log2=0.1,
-            group=group,
-            stage=stage,
-            value_layout="dims",
-            value_unpack=value_unpack,
+            qg, ls, bits=2, scale_log2=0.1, group=group, stage=stage, value_layout="dims"
         )
     )
     for _ in range(2):
@@ -81,10 +71,9 @@ def run_once(name: str, batch: int, ctx: int) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from eval.bench_decode import LOWBIT_VARIANTS
-    from pallas_kernels.decode_attention.gpu_mosaic import STAGES_KINDS, VALUE_UNPACKS
+    from pallas_kernels.decode_attention.gpu_mosaic import STAGES_KINDS
 
     split_names = [f"mosaic_split:{k}" for k in STAGES_KINDS]
-    split_names += [f"mosaic_split:full:{u}" for u in VALUE_UNPACKS]
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in [*LOWBIT_VARIANTS, *split_names]:
         raise SystemExit(
             f"usage: decode_kernel_once.py VARIANT [BATCHxCONTEXT], VARIANT one of "
@@ -92,6 +81,6 @@ if __name__ == "__main__":
         )
     b, c = (int(v) for v in (sys.argv[2] if len(sys.argv) == 3 else "8x16384").split("x"))
     if sys.argv[1].startswith("mosaic_split:"):
-        run_split_once(*sys.argv[1].split(":")[1:], b, c)
+        run_split_once(sys.argv[1].split(":", 1)[1], b, c)
     else:
         run_once(sys.argv[1], b, c)

@@ -34,9 +34,7 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   columns) and
   the zero-point term ``sum_t p_t s_t z_t`` a column sum. With dimension-major value pages
   (`layout.VALUE_LAYOUTS` ``"dims"``, 128-token pages) each plane of the ``[d, tile/n]`` code
-  tile is the register A operand over ``tile/n`` tokens, by default as float16 subnormals
-  (one AND per two codes; the plane's power of two rides on its tokens' ``p * s``,
-  `VALUE_UNPACKS`). With token-major pages the planes are
+  tile is the register A operand over ``tile/n`` tokens. With token-major pages the planes are
   written as float16 into a ``[tile, d]`` shared tile that the MMA reads transposed (their
   contraction runs over tokens, so they cannot be a register operand).
 * **Pipeline**: each tile arrives by TMA (key and value codes and the four per-token metadata
@@ -96,13 +94,6 @@ CODE_COPIES = ("auto", "tma", "bulk")
 # "values" leaves a step's value MMAs in flight over the next step's loads, key unpack and
 # key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k).
 OVERLAPS = ("none", "values")
-# How dimension-major value codes become float16 A operands: "offset" ORs each plane under a
-# float16 exponent and subtracts it (a LOP3 and a SUB.F16X2 per two codes, `_planes_asm`);
-# "subnormal" keeps plane i's bits where they are with a zero exponent, c * 2^(bits*i - 24)
-# exactly (one AND per two codes), and the probabilities of plane i's tokens carry
-# 2^(E - bits*i) so every plane meets the accumulator at 2^(E - 24) (E = bits*(n-1): each
-# plane's p*s is scaled up, never down; the epilogue multiplies by 2^(24 - E)).
-VALUE_UNPACKS = ("offset", "subnormal")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
@@ -168,23 +159,19 @@ def _plane_to_f16(w: jax.Array, i: int, bits: int) -> jax.Array:
     return lax.bitcast_convert_type(code_bits, jnp.float16) - jnp.float16(2.0 ** (10 - shift))
 
 
-def _planes_asm(codes: jax.Array, bits: int, subnormal: bool = False) -> list[jax.Array]:
+def _planes_asm(codes: jax.Array, bits: int) -> list[jax.Array]:
     """Every plane of a uint8 code tile (WGMMA layout) as float16, in inline PTX.
 
     The same float16 bit trick as `_plane_to_f16`, written per 32-bit register: a thread's
     two code bytes (columns ``c, c+1``) are spread into the low bytes of the two halves by
     one PRMT shared by all planes, then each plane is one LOP3 (mask, OR under the float16
-    exponent) and one SUB.F16X2 for two codes. ``subnormal``: one AND per plane, leaving
-    plane ``i`` as the float16 subnormal ``c * 2^(bits*i - 24)`` (`VALUE_UNPACKS`).
+    exponent) and one SUB.F16X2 for two codes.
     """
     n = layout.codes_per_byte(bits)
     code_mask = (1 << bits) - 1
     lines = ["{", ".reg .b32 t, m;", f"prmt.b32 t, ${n}, 0, 0x4140;"]
     for i in range(n):
         mask = (code_mask << (bits * i)) * 0x10001
-        if subnormal:
-            lines.append(f"and.b32 ${i}, t, {mask:#010x};")
-            continue
         exponent = ((25 - bits * i) << 10) * 0x10001  # float16 2^(10 - bits*i), both halves
         lines += [
             f"lop3.b32 ${i}, t, {mask:#010x}, {exponent:#010x}, 0xea;",  # (t & mask) | exponent
@@ -312,7 +299,6 @@ def _kernel(
     overlap: str,
     mask: str,
     key_operand: str,
-    value_unpack: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
     # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile].
@@ -406,19 +392,12 @@ def _kernel(
             out = jnp.where(col_stream == t, bcast_row(vectors[t]), out)
         return out
 
-    def planes(tile_ref, bits, subnormal=False):
+    def planes(tile_ref, bits):
         w = plgpu.load(tile_ref, (), layout=plgpu.Layout.WGMMA)
         if asm:
-            return _planes_asm(w, bits, subnormal)
+            return _planes_asm(w, bits)
         n = layout.codes_per_byte(bits)
         return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
-
-    subnormal = value_layout == "dims" and value_unpack == "subnormal"
-    n_v = layout.codes_per_byte(v_bits)
-    v_exp = v_bits * (n_v - 1)  # E of `VALUE_UNPACKS`
-    if subnormal:  # 2^(E - bits*i) for a token of plane i (plane i: tokens [i kb, (i+1) kb))
-        v_plane = tok_in_step // (tile // n_v)
-        v_factor = jnp.exp2((v_exp - v_bits * v_plane).astype(jnp.float32))
 
     def meta(r, slot):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero; [rows, N]
         vectors = []
@@ -494,16 +473,15 @@ def _kernel(
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
             # but the probabilities.
-            v_planes = planes(v_smem.at[slot], v_bits, subnormal)
+            v_planes = planes(v_smem.at[slot], v_bits)
         else:
             for c, plane in enumerate(planes(v_smem.at[slot], v_bits)):
                 v16_smem.at[:, pl.ds(c * v_width, v_width)][...] = plane
         # Stream t's tokens are columns [t rows, (t + 1) rows) of p^T, nonzero only in the
         # stream's rows. Two lanes swap halves of their 2x2 blocks (one shuffle per
         # register) so the tile stores transposed.
-        pv_mma = pv * v_factor if subnormal else pv
         for t in range(streams):
-            part = pv_mma if streams == 1 else jnp.where(col_stream == t, pv_mma, 0.0)
+            part = pv if streams == 1 else jnp.where(col_stream == t, pv, 0.0)
             pt = plgpu.layout_cast(part.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.transpose_ref(pt_smem.at[:, pl.ds(t * rows, rows)], (1, 0))[...] = pt
         plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
@@ -541,8 +519,6 @@ def _kernel(
     acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
-    if subnormal:
-        acc = acc * (2.0 ** (24 - v_exp))
     out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, npad), [1])
     vec_smem.at[0][...] = m_i
     vec_smem.at[1][...] = l_i
@@ -607,7 +583,6 @@ def lowbit_partials(
     n_pad: int | None = None,
     streams: int | None = None,
     columns: bool = False,
-    value_unpack: str = "subnormal",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -624,8 +599,6 @@ def lowbit_partials(
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
     column ``t * N / streams + g``.
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
-    ``value_unpack``: `VALUE_UNPACKS`, for dimension-major value pages with the inline-PTX
-    unpack (elsewhere the values take "offset").
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -659,8 +632,6 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
-    if value_unpack not in VALUE_UNPACKS:
-        raise ValueError(f"value_unpack={value_unpack!r} must be one of {VALUE_UNPACKS}")
     key_operand = "s8" if int_to_float == "s8" else "f16"
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
@@ -731,7 +702,6 @@ def lowbit_partials(
         overlap=overlap,
         mask=mask,
         key_operand=key_operand,
-        value_unpack=value_unpack if int_to_float in ("asm", "s8") else "offset",
     )
     ring = plgpu.RefUnion(
         (

@@ -589,32 +589,6 @@ def test_mosaic_two_token_streams_merge_to_one(case: Case):
     _check_schedule(case, dict(n_pad=8, streams=2), dict(n_pad=8, streams=1), run=True)
 
 
-@pytest.mark.parametrize("case", _OVERLAP_CASES[:2], ids=str)
-def test_mosaic_subnormal_value_codes_match_offset_codes(case: Case):
-    """Value planes as float16 subnormals with their powers of two on the probabilities give
-    the offset-and-subtract planes' partials (every product is the same up to one power of two
-    per plane, undone exactly in the epilogue)."""
-    _check_schedule(case, dict(value_unpack="subnormal"), dict(value_unpack="offset"), run=True)
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-def test_value_planes_in_place_are_exact_float16_subnormals(bits: int):
-    """What `gpu_mosaic.VALUE_UNPACKS` "subnormal" relies on: a byte's plane ``i`` masked in
-    place, zero exponent, is the float16 ``c * 2^(bits*i - 24)`` for every code and plane, and
-    the plane's factor 2^(E - bits*i) on the probability makes it ``c * p * 2^(E - 24)``."""
-    n = 8 // bits
-    e = bits * (n - 1)
-    byte = np.arange(256, dtype=np.uint16)
-    p = np.float16(0.3371)
-    for i in range(n):
-        mask = ((1 << bits) - 1) << (bits * i)
-        got = (byte & mask).view(np.float16).astype(np.float64)
-        code = (byte >> (bits * i)) & ((1 << bits) - 1)
-        np.testing.assert_array_equal(got, code * 2.0 ** (bits * i - 24))
-        scaled = np.float16(p * np.float16(2.0 ** (e - bits * i)))
-        np.testing.assert_array_equal(got * float(scaled), code * float(p) * 2.0 ** (e - 24))
-
-
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
 def test_mosaic_s8_keys_as_accurate_as_f16_keys(case: Case):
     """8-bit key operands against the float32 attention over the low-bit pages, no less
@@ -729,8 +703,6 @@ def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
         dict(n_pad=16),
         dict(streams=1),
         dict(streams=2),
-        dict(value_unpack="offset"),
-        dict(value_unpack="subnormal"),
     ],  # fmt: skip
     ids=str,
 )
