@@ -84,7 +84,13 @@ from pallas_kernels.decode_attention import tiles as da
 
 TILE = 64  # tokens per step at least: the M of one warpgroup MMA
 MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA)
-STAGES_KINDS = ("full", "keys", "loads", "loads_codes")  # attribution: what a step does
+# Attribution: what a step does. "no_value_operand": all but the value codes' load, unpack
+# and MMAs (the probabilities are still stored and the accumulator rescaled); "no_pt_store":
+# all but the p^T store and its fence (the value MMAs read the tile as it is); "no_rescale":
+# all but the accumulator's rescale (and its wait for the MMAs in flight). Wrong results.
+STAGES_KINDS = (
+    "full", "keys", "loads", "loads_codes", "no_value_operand", "no_pt_store", "no_rescale"
+)  # fmt: skip
 # How code tiles reach shared memory: "tma" is a tensor-map copy into a swizzled tile (a box
 # of 32-byte rows); "bulk" is one `cp.async.bulk` of the tile's contiguous bytes into an
 # unswizzled tile (a [page, d/n] code tile is contiguous in the pool; 32-byte rows only);
@@ -469,7 +475,9 @@ def _kernel(
         zc = zc * bcast_col(alpha) + pvz
         if stage == "keys":  # no value product
             return m_new, l_i, zc
-        if value_layout == "dims":
+        if stage == "no_value_operand":
+            pass
+        elif value_layout == "dims":
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
             # but the probabilities.
@@ -480,16 +488,20 @@ def _kernel(
         # Stream t's tokens are columns [t rows, (t + 1) rows) of p^T, nonzero only in the
         # stream's rows. Two lanes swap halves of their 2x2 blocks (one shuffle per
         # register) so the tile stores transposed.
-        for t in range(streams):
+        for t in range(streams if stage != "no_pt_store" else 0):
             part = pv if streams == 1 else jnp.where(col_stream == t, pv, 0.0)
             pt = plgpu.layout_cast(part.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.transpose_ref(pt_smem.at[:, pl.ds(t * rows, rows)], (1, 0))[...] = pt
-        plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
+        if stage != "no_pt_store":
+            plgpu.commit_smem()  # the MMA reads what the warpgroup wrote; the slot may be refilled
         # Reading the accumulator waits for every MMA in flight: with overlap="values" the
         # previous step's value MMAs ran under this step's loads, key unpack and key MMAs.
-        acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (d, npad), [1])
+        if stage != "no_rescale":
+            acc_ref[...] = acc_ref[...] * lax.broadcast_in_dim(alpha, (d, npad), [1])
         p_ref = plgpu.transpose_ref(pt_smem, (1, 0))  # [tile, N]
-        if value_layout == "dims":
+        if stage == "no_value_operand":
+            pass
+        elif value_layout == "dims":
             kb = tile // len(v_planes)
             for c, plane in enumerate(v_planes):
                 plgpu.wgmma(acc_ref, plane, p_ref.at[pl.ds(c * kb, kb)])
