@@ -87,9 +87,11 @@ MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA
 # Attribution: what a step does. "no_value_operand": all but the value codes' load, unpack
 # and MMAs (the probabilities are still stored and the accumulator rescaled); "no_pt_store":
 # all but the p^T store and its fence (the value MMAs read the tile as it is); "no_rescale":
-# all but the accumulator's rescale (and its wait for the MMAs in flight). Wrong results.
+# all but the accumulator's rescale (and its wait for the MMAs in flight); "half_value_mma":
+# every value plane unpacked, the MMAs of only half of them. Wrong results.
 STAGES_KINDS = (
-    "full", "keys", "loads", "loads_codes", "no_value_operand", "no_pt_store", "no_rescale"
+    "full", "keys", "loads", "loads_codes", "no_value_operand", "no_pt_store", "no_rescale",
+    "half_value_mma",
 )  # fmt: skip
 # How code tiles reach shared memory: "tma" is a tensor-map copy into a swizzled tile (a box
 # of 32-byte rows); "bulk" is one `cp.async.bulk` of the tile's contiguous bytes into an
@@ -503,6 +505,9 @@ def _kernel(
             pass
         elif value_layout == "dims":
             kb = tile // len(v_planes)
+            if stage == "half_value_mma":  # every plane stays live: pairs summed
+                half = len(v_planes) // 2
+                v_planes = [v_planes[j] + v_planes[j + half] for j in range(half)]
             for c, plane in enumerate(v_planes):
                 plgpu.wgmma(acc_ref, plane, p_ref.at[pl.ds(c * kb, kb)])
         else:
