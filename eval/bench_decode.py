@@ -250,13 +250,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
     runs += [
         (128, "dims", st, "bulk", "values", "last", None, "s8")
-        for st in (
-            "no_value_operand",
-            "no_pt_store",
-            "no_rescale",
-            "half_value_mma",
-            "wide_value_load",
-        )
+        for st in ("no_value_operand", "no_pt_store", "no_rescale", "half_value_mma")
     ]
     runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm")]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):

@@ -88,12 +88,10 @@ MAX_TILE = 128  # tokens per step when pages are that large (two M tiles per MMA
 # and MMAs (the probabilities are still stored and the accumulator rescaled); "no_pt_store":
 # all but the p^T store and its fence (the value MMAs read the tile as it is); "no_rescale":
 # all but the accumulator's rescale (and its wait for the MMAs in flight); "half_value_mma":
-# every value plane unpacked, the MMAs of only half of them; "wide_value_load": the value
-# tile loaded four bytes per register (`_planes_asm_wide`; its tokens paired as the page
-# layout does not pair them). Wrong results.
+# every value plane unpacked, the MMAs of only half of them. Wrong results.
 STAGES_KINDS = (
     "full", "keys", "loads", "loads_codes", "no_value_operand", "no_pt_store", "no_rescale",
-    "half_value_mma", "wide_value_load",
+    "half_value_mma",
 )  # fmt: skip
 # How code tiles reach shared memory: "tma" is a tensor-map copy into a swizzled tile (a box
 # of 32-byte rows); "bulk" is one `cp.async.bulk` of the tile's contiguous bytes into an
@@ -209,59 +207,6 @@ def _planes_asm(codes: jax.Array, bits: int) -> list[jax.Array]:
                 planes[i][idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), f16x2)
         return tuple(
             mgpu.FragmentedArray(_registers=r, _layout=arr.layout, _is_signed=None) for r in planes
-        )
-
-    return list(unpack(codes))
-
-
-def _planes_asm_wide(codes: jax.Array, bits: int) -> list[jax.Array]:
-    """The planes of a uint8 code tile loaded four bytes per register
-    (`plgpu.Layout.WGMMA_8BIT`) as float16 WGMMA-layout operands, in inline PTX: bytes
-    ``4t, 4t+1`` of a register feed columns ``2t, 2t+1`` of its 16-column block and bytes
-    ``4t+2, 4t+3`` columns ``8+2t, 8+2t+1`` (two PRMTs per four bytes, then `_planes_asm`'s
-    LOP3 and SUB.F16X2 per plane and pair). The column order differs from the tile's: timing
-    only (the `wide_value_load` attribution stage) until a page layout pairs tokens so.
-    """
-    n = layout.codes_per_byte(bits)
-    code_mask = (1 << bits) - 1
-    lines = ["{", ".reg .b32 tl, th, m;"]
-    lines += [f"prmt.b32 tl, ${2 * n}, 0, 0x4140;", f"prmt.b32 th, ${2 * n}, 0, 0x4342;"]
-    for i in range(n):
-        mask = (code_mask << (bits * i)) * 0x10001
-        exponent = ((25 - bits * i) << 10) * 0x10001
-        lines.append(f"mov.b32 m, {exponent:#010x};")
-        for j, src in enumerate(("tl", "th")):
-            lines += [
-                f"lop3.b32 ${2 * i + j}, {src}, {mask:#010x}, {exponent:#010x}, 0xea;",
-                f"sub.f16x2 ${2 * i + j}, ${2 * i + j}, m;",
-            ]
-    asm = "\n".join(lines + ["}"])
-    constraints = ",".join(["=r"] * (2 * n) + ["r"])
-    out = tuple(
-        plgpu.ShapeDtypeStruct(codes.shape, jnp.float16, layout=plgpu.Layout.WGMMA)
-        for _ in range(n)
-    )
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,), return_type=out)
-    def unpack(_, arr):
-        i32 = ir.IntegerType.get_signless(32)
-        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-        result = llvm.StructType.get_literal([i32] * (2 * n))
-        regs = arr.registers
-        shape = list(regs.shape)
-        shape[1] *= 2  # 16-byte column blocks -> pairs of 8-column float16 blocks
-        planes = [np.empty(shape, dtype=object) for _ in range(n)]
-        for idx, reg in np.ndenumerate(regs):
-            word = mgpu_utils.bitcast(reg, i32)
-            res = llvm.inline_asm(result, [word], asm, constraints, has_side_effects=False)
-            for i in range(n):
-                for j in range(2):
-                    out_idx = (idx[0], 2 * idx[1] + j, *idx[2:])
-                    value = llvm.extractvalue(i32, res, [2 * i + j])
-                    planes[i][out_idx] = mgpu_utils.bitcast(value, f16x2)
-        return tuple(
-            mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-            for r in planes
         )
 
     return list(unpack(codes))
@@ -534,9 +479,6 @@ def _kernel(
             return m_new, l_i, zc
         if stage == "no_value_operand":
             pass
-        elif stage == "wide_value_load":
-            v_codes = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA_8BIT)
-            v_planes = _planes_asm_wide(v_codes, v_bits)
         elif value_layout == "dims":
             # Planes of the [d, tile / n] tile are [d, tile / n] register operands over
             # tokens [c * tile / n, (c + 1) * tile / n): nothing goes through shared memory
