@@ -226,9 +226,11 @@ def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, fl
     return out
 
 
-# Operand kinds of the stage rows: float16 codes (inline PTX), 8-bit key codes
-# (`gpu_mosaic.INT_TO_FLOAT`; run 64's 8-bit values, slower, are in BENCHMARKS.md).
-INT_TO_FLOAT_ROWS = ("asm", "s8")
+# Operand kinds of the stage rows: float16 codes (inline PTX), 8-bit key codes, and 8-bit
+# keys with e4m3 value codes against the weights in two e4m3 parts or one
+# (`gpu_mosaic.INT_TO_FLOAT`; run 64's 8-bit integer values, slower, are in BENCHMARKS.md).
+INT_TO_FLOAT_ROWS = ("asm", "s8", "s8_e4m3x2", "s8_e4m3")
+_OPERAND_SUFFIX = dict(asm="", s8="_s8_keys", s8_e4m3x2="_e4m3x2_values", s8_e4m3="_e4m3_values")
 
 
 def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
@@ -247,7 +249,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
     # every step) are in BENCHMARKS.md.
     runs = [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
-    runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in ("asm", "s8")]
     runs += [
         (128, "dims", st, "bulk", "values", "last", None, "s8")
         for st in ("no_value_operand", "no_pt_store", "no_rescale", "half_value_mma")
@@ -294,7 +296,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
             name += f"_overlap_{overlap}" if overlap != "none" else ""
             name += "_mask_every" if mask == "every" else ""
             name += f"_n{nc[0]}_streams{nc[1]}" if nc else ""
-            name += {"asm": "", "s8": "_s8_keys"}[ko]
+            name += _OPERAND_SUFFIX[ko]
             record(
                 name,
                 lambda call=call, caches=caches, qs=qs: _time_unrolled(call, caches, qs, cfg),
@@ -435,6 +437,10 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Tensor-map copies of the code tiles (the default is bulk copies where rows are 32 bytes).
     "int2_mosaic_vdims_tma": _dims(2, gather="tma"),
     "int4_mosaic_vdims": _dims(4),
+    # e4m3 value operands (8-bit keys; the weights in two e4m3 parts, or one).
+    "int2_mosaic_vdims_e4m3x2": _dims(2, int_to_float="s8_e4m3x2"),
+    "int4_mosaic_vdims_e4m3x2": _dims(4, int_to_float="s8_e4m3x2"),
+    "int2_mosaic_vdims_e4m3": _dims(2, int_to_float="s8_e4m3"),
     # The unpack in jnp ops (before run 48's inline PTX, `gpu_mosaic._planes_asm`).
     "int2_mosaic_vdims_exponent": _dims(2, int_to_float="exponent"),
     "int4_mosaic_vdims_exponent": _dims(4, int_to_float="exponent"),

@@ -111,6 +111,12 @@ MASKS = ("last", "every")
 # float16's 2^-11 of |q|). The value codes still become float16 ("asm").
 _LO = 254.0  # weight of the low part of an 8-bit split: its residual spans [-1/2, 1/2]
 _S8_K = 64  # K of an 8-bit register-operand MMA group (a 64-byte swizzle; 32 is refused)
+# e4m3 value operands (``int_to_float="s8_e4m3x2"``): the weights p * s_v are kept at most
+# 2^_F8_HEADROOM by the softmax's shifted max (e4m3's largest normal is 448, its smallest
+# 2^-6); scales below _F8_MIN_SCALE count as it in that max; a plane read as e4m3 is c * 2^-9.
+_F8_HEADROOM = 8.0
+_F8_MIN_SCALE = 2.0**-40
+_F8_CODE_INV = 2.0**9
 GROUP_PAD = 16  # N of the MMAs at most: the largest GQA group served
 # N of the MMAs for groups of up to 8 query heads (Qwen3-8B's 4): half the softmax, rescale
 # and probability-store work of N = 16 per step (the [tile, N] tiles are elementwise).
@@ -212,27 +218,33 @@ def _planes_asm(codes: jax.Array, bits: int) -> list[jax.Array]:
     return list(unpack(codes))
 
 
-def _planes_s8(codes: jax.Array, bits: int) -> list[jax.Array]:
-    """The planes of a uint8 code tile (`plgpu.Layout.WGMMA_8BIT`) as signed 8-bit MMA
-    operands of K = 64: a shift and a mask per 32-bit register (four codes), no conversion.
+def _planes_s8(codes: jax.Array, bits: int, dtype=jnp.int8) -> list[jax.Array]:
+    """The planes of a uint8 code tile (`plgpu.Layout.WGMMA_8BIT`) as 8-bit MMA operands of
+    K = 64: a shift and a mask per 32-bit register (four codes), no conversion.
 
-    Plane ``i`` of ``[rows, W]`` bytes holds dims ``[i W, (i + 1) W)``; with W = 32 two
-    neighbouring planes are concatenated along K (their register tiles side by side), so
-    group ``g`` covers dims ``[64 g, 64 g + 64)`` and meets that block of the query.
+    Plane ``i`` of ``[rows, W]`` bytes holds dims ``[i W, (i + 1) W)`` (keys) or tokens
+    ``[i W, (i + 1) W)`` (dimension-major values); with W = 32 two neighbouring planes are
+    concatenated along K (their register tiles side by side), so group ``g`` covers
+    ``[64 g, 64 g + 64)``. ``dtype`` int8: the codes themselves; float8_e4m3fn: the same bytes
+    read as e4m3, which are ``c * 2^-9`` exactly for ``c < 16`` (subnormals below 8, then the
+    first binade, whose step is the same ``2^-9``).
     """
     n = layout.codes_per_byte(bits)
     rows, width = codes.shape
     per_group = _S8_K // width
     groups = n // per_group
     out = tuple(
-        plgpu.ShapeDtypeStruct((rows, _S8_K), jnp.int8, layout=plgpu.Layout.WGMMA_8BIT)
+        plgpu.ShapeDtypeStruct((rows, _S8_K), dtype, layout=plgpu.Layout.WGMMA_8BIT)
         for _ in range(groups)
     )
+    is_f8 = jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,), return_type=out)
     def unpack(_, arr):
         i32 = ir.IntegerType.get_signless(32)
         vec = arr.registers.flat[0].type
+        if is_f8:
+            vec = ir.VectorType.get(ir.VectorType(vec).shape, ir.Float8E4M3FNType.get())
         mask = arith.constant(i32, ((1 << bits) - 1) * 0x01010101)
         planes = []
         for i in range(n):
@@ -247,7 +259,7 @@ def _planes_s8(codes: jax.Array, bits: int) -> list[jax.Array]:
             mgpu.FragmentedArray(
                 _registers=np.concatenate(planes[g * per_group : (g + 1) * per_group], axis=1),
                 _layout=arr.layout,
-                _is_signed=True,
+                _is_signed=None if is_f8 else True,
             )
             for g in range(groups)
         )
@@ -307,9 +319,12 @@ def _kernel(
     overlap: str,
     mask: str,
     key_operand: str,
+    value_operand: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
-    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile].
+    # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile] (e4m3
+    # values: f8[parts * N, tile], the high parts of the weights in rows [0, N), the low
+    # parts' in [N, 2N)).
     (k_smem, v_smem, meta_smem, pt_smem), out_smem = ring
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
@@ -319,6 +334,7 @@ def _kernel(
     # s8 keys: q_smem [d / 64, streams, 2N, 64], each K = 64 dims block of the high and low
     # parts of every stream's query.
     s8 = key_operand == "s8"
+    f8v = value_operand != "f16"
     width = k_smem.shape[-1]  # code bytes per key row
     if s8:
         n_blocks, streams, npad, _ = q_smem.shape
@@ -407,7 +423,7 @@ def _kernel(
         n = layout.codes_per_byte(bits)
         return [_plane_to_f16(w.astype(jnp.int16), i, bits) for i in range(n)]
 
-    def meta(r, slot):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero; [rows, N]
+    def meta(r, slot, fn=None):  # r: 0 k scale, 1 k zero, 2 v scale, 3 v zero; [rows, N]
         vectors = []
         for t in range(streams):
             stored = plgpu.load(meta_smem.at[r, slot, pl.ds(t * rows, rows)], (), layout=row)
@@ -419,10 +435,12 @@ def _kernel(
                 vectors.append(layout.decode_scale(stored))
             else:
                 vectors.append(layout.decode_zero(stored, k_bits if r < 2 else v_bits))
+        if fn is not None:  # per token, before the broadcast to [rows, N]
+            vectors = [fn(v) for v in vectors]
         return per_element(vectors)
 
     def step(i, carry, acc_ref, masked):
-        m_i, l_i, zc = carry
+        m_i, l_i, zc, pending = carry
         slot = lax.rem(i, STAGES)
         nxt = i + STAGES - 1
 
@@ -461,10 +479,20 @@ def _kernel(
         if masked:  # the split's last step: tokens past `count` (their pages may hold NaN)
             valid = tok_in_step + i * tile < count
             logits = jnp.where(valid, logits, da.NEG_INF)
-        m_new = jnp.maximum(m_i, logits.max(axis=0))
+        vs, vz = meta(2, slot), meta(3, slot)
+        if f8v:
+            # The running max of logits + log2(s_v), 8 below: every weight p * s_v is then
+            # at most 2^8, inside e4m3's normal range (max 448), with no reduction of its own.
+            # p itself may exceed 1 (the denominator is float32).
+            lvs = meta(2, slot, lambda v: jnp.log2(jnp.maximum(v, _F8_MIN_SCALE)))
+            shifted = logits + lvs
+            if masked:
+                shifted = jnp.where(valid, shifted, da.NEG_INF)
+            m_new = jnp.maximum(m_i, shifted.max(axis=0) - _F8_HEADROOM)
+        else:
+            m_new = jnp.maximum(m_i, logits.max(axis=0))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(logits - bcast_col(m_new))
-        vs, vz = meta(2, slot), meta(3, slot)
         pv = p * vs
         if masked:
             pv = jnp.where(valid, pv, 0.0)
@@ -476,7 +504,9 @@ def _kernel(
         l_i = l_i * bcast_col(alpha) + p
         zc = zc * bcast_col(alpha) + pvz
         if stage == "keys":  # no value product
-            return m_new, l_i, zc
+            return m_new, l_i, zc, pending
+        if f8v:
+            return m_new, l_i, zc, values_f8(slot, pv, alpha, pending, acc_ref)
         if stage == "no_value_operand":
             pass
         elif value_layout == "dims":
@@ -514,13 +544,53 @@ def _kernel(
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_ref)
         if overlap != "values":
             plgpu.wgmma_wait(0)
-        return m_new, l_i, zc
+        return m_new, l_i, zc, pending
+
+    parts = 2 if value_operand == "e4m3x2" else 1
+
+    def fold(acc_f, acc_ref):  # acc_f + one step's sums (its high and low parts' columns)
+        sums = acc_ref[...]  # waits for the value MMAs in flight
+        for j in range(parts):
+            acc_f = acc_f + sums[:, j * npad : (j + 1) * npad]
+        return acc_f
+
+    def values_f8(slot, pv, alpha, pending, acc_ref):
+        """e4m3 values: the step's weights ``p * s_v`` (at most 2^8) as e4m3 high parts and,
+        with ``"e4m3x2"``, the e4m3 rounding of what the high part leaves (~2^-8 relative
+        together), stored transposed; the value code planes read as e4m3 (``c * 2^-9``) are
+        the register A operand of K = 64 tokens, half the MMAs of float16 planes. Each step's
+        products go to a fresh MMA accumulator that the next step folds into the float32
+        one (``pending``) after its key MMAs, so the value MMAs still run under them and the
+        sum over a split never rests on the tensor cores' FP8 accumulation."""
+        w16 = pv.astype(jnp.float16)
+        hi16 = w16.astype(jnp.float8_e4m3fn).astype(jnp.float16)  # exact in float16
+        split = [hi16, w16 - hi16][:parts]
+        for j, part in enumerate(split):
+            for t in range(streams):
+                part_t = part if streams == 1 else jnp.where(col_stream == t, part, 0.0)
+                # Mosaic GPU casts 8-bit arrays to no other layout: transpose in float16.
+                pt = plgpu.layout_cast(part_t, plgpu.Layout.WGMMA_TRANSPOSED)
+                dst = pt_smem.at[pl.ds(j * npad, npad), pl.ds(t * rows, rows)]
+                plgpu.transpose_ref(dst, (1, 0))[...] = pt.astype(jnp.float8_e4m3fn)
+        plgpu.commit_smem()
+        pending = fold(pending, acc_ref) * lax.broadcast_in_dim(alpha, (d, npad), [1])
+        acc_ref[...] = plgpu.layout_cast(
+            jnp.zeros((d, parts * npad), jnp.float32), plgpu.Layout.WGMMA
+        )
+        codes = plgpu.load(v_smem.at[slot], (), layout=plgpu.Layout.WGMMA_8BIT)
+        for g, plane in enumerate(_planes_s8(codes, v_bits, jnp.float8_e4m3fn)):
+            p_ref = plgpu.transpose_ref(pt_smem.at[:, pl.ds(g * _S8_K, _S8_K)], (1, 0))
+            plgpu.wgmma(acc_ref, plane, p_ref)
+        if overlap != "values":
+            plgpu.wgmma_wait(0)
+        return pending
 
     wgmma_layout = plgpu.Layout.WGMMA
     carry = (
         plgpu.layout_cast(jnp.full((npad,), da.NEG_INF, jnp.float32), col),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
         plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout),
+        plgpu.layout_cast(jnp.zeros((d, npad), jnp.float32), wgmma_layout) if f8v else (),
     )
 
     # Only a step that reaches past `count` masks its tokens (mask="last"): the others skip
@@ -531,9 +601,13 @@ def _kernel(
         body = functools.partial(step, acc_ref=acc_ref)
         out = lax.fori_loop(0, n_full, functools.partial(body, masked=mask == "every"), carry)
         out = lax.fori_loop(n_full, n_steps, functools.partial(body, masked=True), out)
-        return acc_ref[...], *out
+        m_i, l_i, zc, pending = out
+        if f8v:  # the last step's sums; the planes' 2^-9
+            return fold(pending, acc_ref) * _F8_CODE_INV, m_i, l_i, zc
+        return acc_ref[...], m_i, l_i, zc
 
-    acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
+    acc_cols = (2 if value_operand == "e4m3x2" else 1) * npad if f8v else npad
+    acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, acc_cols), jnp.float32))
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
     out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, npad), [1])
@@ -649,7 +723,13 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
-    key_operand = "s8" if int_to_float == "s8" else "f16"
+    key_operand = "s8" if int_to_float.startswith("s8") else "f16"
+    # Value codes become e4m3 operands where they are dimension-major (a register operand).
+    value_operand = "f16"
+    if int_to_float in ("s8_e4m3x2", "s8_e4m3") and value_layout == "dims":
+        value_operand = int_to_float[3:]
+    if value_operand != "f16" and stage not in ("full", "keys", "loads", "loads_codes"):
+        raise ValueError(f"stage={stage!r} is a float16-value attribution row; {int_to_float=}")
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
     # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
@@ -715,17 +795,26 @@ def lowbit_partials(
         stage=stage,
         value_layout=value_layout,
         code_copy=code_copy,
-        asm=int_to_float in ("asm", "s8"),
+        asm=int_to_float != "exponent",
         overlap=overlap,
         mask=mask,
         key_operand=key_operand,
+        value_operand=value_operand,
     )
     ring = plgpu.RefUnion(
         (
             code_tiles(tile, width),
             v_smem,
             plgpu.SMEM((4, STAGES, tile), meta_dtype),
-            plgpu.SMEM((n_pad, tile), jnp.float16, transforms=_swizzled(P_SWIZZLE)),
+            (
+                plgpu.SMEM(
+                    ((2 if value_operand == "e4m3x2" else 1) * n_pad, tile),
+                    jnp.float8_e4m3fn,
+                    transforms=_swizzled(_S8_K, 8),
+                )
+                if value_operand != "f16"
+                else plgpu.SMEM((n_pad, tile), jnp.float16, transforms=_swizzled(P_SWIZZLE))
+            ),
         ),
         plgpu.SMEM((d, n_pad), jnp.float32),
     )
@@ -975,7 +1064,9 @@ FP_PAGES_PER_SPLIT = 4
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
-INT_TO_FLOAT = ("exponent", "asm", "s8")  # `_plane_to_f16`, `_planes_asm`, `_planes_s8` keys
+# `_plane_to_f16`, `_planes_asm`, `_planes_s8` keys; "s8_e4m3x2" / "s8_e4m3": s8 keys and
+# dimension-major value codes as e4m3 operands against the weights in two e4m3 parts / one.
+INT_TO_FLOAT = ("exponent", "asm", "s8", "s8_e4m3x2", "s8_e4m3")
 ROW_SUMS = ("deferred",)
 DEFAULT_GATHER = "auto"
 DEFAULT_INT_TO_FLOAT = "s8"  # run 61: split kernel 0.304 vs 0.369 ms (asm) at 8 x 128k, 2 bits

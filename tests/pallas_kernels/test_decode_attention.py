@@ -589,19 +589,19 @@ def test_mosaic_two_token_streams_merge_to_one(case: Case):
     _check_schedule(case, dict(n_pad=8, streams=2), dict(n_pad=8, streams=1), run=True)
 
 
-@pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
-def test_mosaic_s8_keys_as_accurate_as_f16_keys(case: Case):
-    """8-bit key operands against the float32 attention over the low-bit pages, no less
-    accurate than the float16 query (their difference is the float16 query's rounding: run 61
-    measured 4% of partials more than 2e-3 apart, so a twin comparison cannot be tight)."""
-    if not _has_gpu():
-        pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
+def _errors_against_float32(case: Case, operands, *, scale_spread: float = 0.0) -> dict:
+    """Relative error of the Mosaic split partials (merged) against the float32 attention
+    over the same low-bit pages, per ``int_to_float``. ``scale_spread``: value scales times
+    2^u, u uniform in [-spread, spread] per token (the reference sees the same scales)."""
     from pallas_kernels.decode_attention import gpu_mosaic as gm
     from pallas_kernels.decode_attention import reference as ref_mod
 
     x = make_inputs(case, seed=3)
     low = x["lowbit"]
     (kc, ks, kz), (vc, vs, vz) = low.k, low.v
+    if scale_spread:
+        u = jax.random.uniform(jax.random.PRNGKey(7), vs.shape, minval=-1.0, maxval=1.0)
+        vs = (vs.astype(jnp.float32) * jnp.exp2(u * scale_spread)).astype(vs.dtype)
     lowbit_set = (kc, vc, ks, kz, vs, vz, da_api.split_table(low.table, 3, 1), low.length)
     qg = x["q"].reshape(case.batch, case.kv_heads, case.group, case.head_dim)
     bits_v = case.bits if case.bits_v is None else case.bits_v
@@ -616,14 +616,55 @@ def test_mosaic_s8_keys_as_accurate_as_f16_keys(case: Case):
     want = np.asarray(ref_mod._ref_attend(qg, [(kq, vq, valid)], 0.1 / np.log2(np.e)))
     live = np.asarray(low.length) > 0
     errs = {}
-    for operand in ("asm", "s8"):
+    for operand in operands:
         got = gm.lowbit_partials(
             qg, lowbit_set, bits=case.bits, bits_v=case.bits_v, scale_log2=0.1,
             group=case.group, value_layout=case.value_layout, int_to_float=operand,
         )  # fmt: skip
         (out,) = _merge_partials(*got)
+        assert np.isfinite(out[live]).all(), f"{operand}: non-finite output"
         errs[operand] = _rel_err(jnp.asarray(out[live]), jnp.asarray(want[live]))
+    return errs
+
+
+@pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
+def test_mosaic_s8_keys_as_accurate_as_f16_keys(case: Case):
+    """8-bit key operands against the float32 attention over the low-bit pages, no less
+    accurate than the float16 query (their difference is the float16 query's rounding: run 61
+    measured 4% of partials more than 2e-3 apart, so a twin comparison cannot be tight)."""
+    if not _has_gpu():
+        pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
+    errs = _errors_against_float32(case, ("asm", "s8"))
     assert errs["s8"] <= max(1.5 * errs["asm"], 1e-4), errs
+
+
+# Dimension-major value pages at 2 and 4 bits, GQA 4 (two token streams) and 1 and 8 (one).
+_E4M3_CASES = _OVERLAP_CASES[:2] + [
+    Case(batch=2, kv_heads=2, group=8, head_dim=128, bits=4, page=16, lowbit_page=128,
+         value_layout="dims", fp_lens=(35, 16), lowbit_lens=(2 * 128 + 96, 128 + 16)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("spread", [0.0, 12.0], ids=["scales", "wide_scales"])
+@pytest.mark.parametrize("case", _E4M3_CASES, ids=str)
+def test_mosaic_e4m3_values_are_as_accurate_as_promised(case: Case, spread: float):
+    """e4m3 value operands against the float32 attention: the weights in two e4m3 parts are
+    ~2^-8 relative (hi's rounding 2^-4, times lo's 2^-4), one part 2^-4; value scales spread
+    over 2^24 must not leave e4m3's range (the softmax's shifted max)."""
+    if not _has_gpu():
+        pytest.skip("needs a GPU (Mosaic GPU has no interpret mode)")
+    errs = _errors_against_float32(case, ("s8", "s8_e4m3x2", "s8_e4m3"), scale_spread=spread)
+    print(case, spread, errs)
+    assert errs["s8_e4m3x2"] <= max(4.0 * errs["s8"], 2.0**-8), errs
+    assert errs["s8_e4m3"] <= 2.0**-4, errs
+
+
+@pytest.mark.parametrize("case", _E4M3_CASES, ids=str)
+def test_mosaic_e4m3_overlapped_value_mmas_match_the_serial_step(case: Case):
+    _check_schedule(
+        case, dict(int_to_float="s8_e4m3x2"), dict(int_to_float="s8_e4m3x2", overlap="none"),
+        run=True,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
@@ -703,6 +744,8 @@ def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
         dict(n_pad=16),
         dict(streams=1),
         dict(streams=2),
+        dict(int_to_float="s8_e4m3x2"),
+        dict(int_to_float="s8_e4m3", overlap="none"),
     ],  # fmt: skip
     ids=str,
 )
