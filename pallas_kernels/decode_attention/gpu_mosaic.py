@@ -117,6 +117,9 @@ _S8_K = 64  # K of an 8-bit register-operand MMA group (a 64-byte swizzle; 32 is
 _F8_HEADROOM = 8.0
 _F8_MIN_SCALE = 2.0**-40
 _F8_CODE_INV = 2.0**9
+# The low part is stored 2^4 larger (its own accumulator columns, scaled back in the fold):
+# at most 2^-4 of its weight, it would otherwise fall under e4m3's normals 4 binades sooner.
+_F8_LO_GAIN = 16.0
 GROUP_PAD = 16  # N of the MMAs at most: the largest GQA group served
 # N of the MMAs for groups of up to 8 query heads (Qwen3-8B's 4): half the softmax, rescale
 # and probability-store work of N = 16 per step (the [tile, N] tiles are elementwise).
@@ -550,21 +553,22 @@ def _kernel(
 
     def fold(acc_f, acc_ref):  # acc_f + one step's sums (its high and low parts' columns)
         sums = acc_ref[...]  # waits for the value MMAs in flight
-        for j in range(parts):
-            acc_f = acc_f + sums[:, j * npad : (j + 1) * npad]
+        acc_f = acc_f + sums[:, :npad]
+        if parts == 2:
+            acc_f = acc_f + sums[:, npad:] * (1.0 / _F8_LO_GAIN)
         return acc_f
 
     def values_f8(slot, pv, alpha, pending, acc_ref):
         """e4m3 values: the step's weights ``p * s_v`` (at most 2^8) as e4m3 high parts and,
-        with ``"e4m3x2"``, the e4m3 rounding of what the high part leaves (~2^-8 relative
-        together), stored transposed; the value code planes read as e4m3 (``c * 2^-9``) are
+        with ``"e4m3x2"``, the e4m3 rounding of what the high part leaves (times
+        `_F8_LO_GAIN`; ~2^-10 relative RMS together), stored transposed; the value code planes read as e4m3 (``c * 2^-9``) are
         the register A operand of K = 64 tokens, half the MMAs of float16 planes. Each step's
         products go to a fresh MMA accumulator that the next step folds into the float32
         one (``pending``) after its key MMAs, so the value MMAs still run under them and the
         sum over a split never rests on the tensor cores' FP8 accumulation."""
         w16 = pv.astype(jnp.float16)
         hi16 = w16.astype(jnp.float8_e4m3fn).astype(jnp.float16)  # exact in float16
-        split = [hi16, w16 - hi16][:parts]
+        split = [hi16, (w16 - hi16) * jnp.float16(_F8_LO_GAIN)][:parts]
         for j, part in enumerate(split):
             for t in range(streams):
                 part_t = part if streams == 1 else jnp.where(col_stream == t, part, 0.0)
