@@ -22,7 +22,9 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   With ``int_to_float="s8"`` the key codes stay integers: signed 8-bit register operands of
   K = 64 (a shift and a mask per four codes, `_planes_s8`) against the query's high and low
   8-bit parts in an int32 accumulator (`split_query_s8`; run 61: split kernel 0.369 -> 0.304
-  ms at 8 x 128k).
+  ms at 8 x 128k). ``"s8_e4m3x2"`` also reads dimension-major value planes as e4m3 (the same
+  shift and mask: the bytes are ``c * 2^-9``) against the weights in two e4m3 parts, half the
+  value MMAs (`_kernel`'s ``values_f8``; BENCHMARKS.md "Session 24").
   Scales and zero points are applied per token row afterwards
   (``s_t (q . c_t) - s_t z_t sum(q)``, DESIGN.md section 5); float16 or the 8-bit encoding
   (`layout`, decoded in the kernel with the reference's integer ops). Keys and values may have
