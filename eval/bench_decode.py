@@ -445,6 +445,7 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_vdims_exponent": _dims(2, int_to_float="exponent"),
     "int4_mosaic_vdims_exponent": _dims(4, int_to_float="exponent"),
     # Split count of the dims body (splits_factor x the automatic choice).
+    "int2_mosaic_vdims_splits_eighth": _dims(2, splits_factor=0.125),
     "int2_mosaic_vdims_splits_quarter": _dims(2, splits_factor=0.25),
     "int2_mosaic_vdims_splits_half": _dims(2, splits_factor=0.5),
     "int2_mosaic_vdims_splits_x2": _dims(2, splits_factor=2),
