@@ -260,7 +260,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
         for r in range(copies_for(nbytes)):
             x = _make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.fold_in(key, r), page_q, vl)
             low = x["lowbit"]
-            splits = da.lowbit_auto_splits(batch, cfg.kv_heads, low.table.shape[1], 1)
+            splits = da.lowbit_auto_splits(
+                batch, cfg.kv_heads, low.table.shape[1], 1, "gpu_mosaic"
+            )
             tab = da_api.split_table(low.table, splits, 1)
             (kc, ks, kz), (vc, vs, vz) = low.k, low.v
             caches.append(dict(ls=(kc, vc, ks, kz, vs, vz, tab, low.length)))
@@ -518,7 +520,8 @@ def lowbit_variant(cfg: BenchConfig, batch: int, ctx: int, name: str) -> tuple[i
         ppb = kw["pages_per_block"] or da_api.default_pages_per_block(
             cfg.backend, bits, kw.get("bits_v")
         )
-        kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, ppb)))
+        page = override.get("lowbit_page_size", cfg.page_size)
+        kw["num_splits"] = max(1, int(factor * _auto(cfg, batch, ctx, ppb, kw["backend"], page)))
     return bits, kw, override
 
 
@@ -808,7 +811,7 @@ def tune_lowbit(cfg: BenchConfig, ceiling: float) -> list[dict]:
         runs.append(("int2_no_transforms", 2, dict(transforms=None), base))
         runs.append(("int2_fp_segment_only", 2, dict(lowbit_len=0), base))
         for ppb in (8, 16, 32):
-            for splits in (None, 4 * _auto(cfg, batch, ctx, ppb)):
+            for splits in (None, 4 * _auto(cfg, batch, ctx, ppb, cfg.backend)):
                 for warps in (4, 8):
                     for stages in (2, 4):
                         t = dict(
@@ -837,9 +840,13 @@ def tune_lowbit(cfg: BenchConfig, ceiling: float) -> list[dict]:
     return rows
 
 
-def _auto(cfg: BenchConfig, batch: int, ctx: int, ppb: int) -> int:
+def _auto(
+    cfg: BenchConfig, batch: int, ctx: int, ppb: int, backend: str, page: int | None = None
+) -> int:
+    """The split count `decode_attention` picks for this point's low-bit pages."""
     n_q = _split_context(cfg, ctx)[1]
-    return da.lowbit_auto_splits(batch, cfg.kv_heads, max(1, n_q // cfg.page_size), ppb)
+    pages = max(1, _pages(n_q, page or cfg.page_size))
+    return da.lowbit_auto_splits(batch, cfg.kv_heads, pages, ppb, backend)
 
 
 def _speedups(rows: list[dict]) -> list[dict]:

@@ -79,9 +79,15 @@ def default_pages_per_block(backend: str, bits: int, bits_v: int | None = None) 
     return mod.WIDE_PAGES_PER_BLOCK if wide else mod.DEFAULT_PAGES_PER_BLOCK
 
 
-def lowbit_auto_splits(batch: int, hkv: int, max_pages: int, pages_per_block: int) -> int:
-    """Splits `decode_attention` picks when ``num_splits`` is None."""
-    return _auto_splits(batch, hkv, max_pages, pages_per_block, _TARGET_PROGRAMS_LOWBIT)
+def lowbit_auto_splits(
+    batch: int, hkv: int, max_pages: int, pages_per_block: int, backend: str = "gpu"
+) -> int:
+    """Splits `decode_attention` picks when ``num_splits`` is None: enough programs to fill
+    the GPU (`_TARGET_PROGRAMS_LOWBIT`), at most the backend's ``MAX_SPLITS`` per sequence
+    and head group (None: no cap)."""
+    splits = _auto_splits(batch, hkv, max_pages, pages_per_block, _TARGET_PROGRAMS_LOWBIT)
+    cap = _backend_module(backend).MAX_SPLITS
+    return splits if cap is None else min(splits, cap)
 
 
 def _merge_partials(
@@ -348,7 +354,7 @@ def decode_attention_variant(
     unit = 1 if backend == "tpu" else pages_per_block
     if num_splits is None:
         num_splits = lowbit_auto_splits(
-            dims["b"], dims["hkv"], lowbit.table.shape[1], pages_per_block
+            dims["b"], dims["hkv"], lowbit.table.shape[1], pages_per_block, backend
         )
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")

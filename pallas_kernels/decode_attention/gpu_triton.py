@@ -53,6 +53,7 @@ from pallas_kernels.decode_attention import tiles as da
 # Triton's tensor-core dot needs M >= 16, so the query group is padded to at least 16 rows.
 MIN_GROUP_PAD = 16
 FP_PAGES_PER_SPLIT = None  # the full-precision pages share the low-bit splits
+MAX_SPLITS = None  # splits per sequence and head group: only the program target
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True

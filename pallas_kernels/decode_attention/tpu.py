@@ -23,6 +23,7 @@ from pallas_kernels.decode_attention import tiles as da
 # A query group is padded to whole sublanes (8 rows of f32).
 MIN_GROUP_PAD = 8
 FP_PAGES_PER_SPLIT = None  # the full-precision pages share the low-bit splits
+MAX_SPLITS = None  # splits per sequence and head group: only the program target
 # The Mosaic body applies the transforms per split program and dots one code plane at a time.
 HOISTS_TRANSFORMS = False
 # Split partials merged by a Pallas kernel (GPU: `merge_splits`) or by XLA ops (TPU).

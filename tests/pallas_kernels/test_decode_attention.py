@@ -231,6 +231,26 @@ SLOW_CASES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "batch, pages, triton, mosaic",
+    [
+        # Qwen3-8B heads (8 KV heads); pages of 128 tokens for the Mosaic body, 64 for Triton.
+        (1, 256, 128, 32),  # 1 x 32k: the Mosaic body capped at MAX_SPLITS
+        (1, 1024, 128, 32),  # 1 x 128k
+        (2, 1024, 64, 32),
+        (8, 1024, 16, 16),  # 8 x 128k: the program target binds first, no change
+        (32, 256, 4, 4),  # 32 x 32k
+        (1, 8, 8, 8),  # never more splits than pages
+    ],
+)
+def test_auto_splits_fill_the_gpu_within_the_backend_cap(batch, pages, triton, mosaic):
+    assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu") == triton
+    assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") == mosaic
+    assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") <= da_api._backend_module(
+        "gpu_mosaic"
+    ).MAX_SPLITS
+
+
 def test_mosaic_u8_metadata_needs_128_token_pages():
     x = make_inputs(Case(head_dim=128, meta_dtype="uint8", lowbit_page=64, lowbit_lens=(64, 0)))
     with pytest.raises(ValueError, match="8-bit scale/zero needs .* page=64"):
