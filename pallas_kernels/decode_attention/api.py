@@ -409,7 +409,7 @@ def decode_attention_variant(
         num_stages=num_stages,
     )
     if mod.HAS_MERGE_KERNEL:  # GPU: merge + value inverse (hoisted) in one kernel
-        o = mod.merge_splits(acc, m, l, vi if hoist else None, interpret=interpret)
+        o = mod.merge_splits(acc, m, l, vi if hoist else None, interpret=interpret, rows=g)
     else:
         o = _merge_partials(acc, m, l)  # [B, Hkv, Gp, d]
     return _ungroup(o, g)
@@ -502,5 +502,5 @@ def decode_attention_bf16(
         num_stages=num_stages,
     )
     if mod.HAS_MERGE_KERNEL:  # the GPU merge kernel (no value inverse here)
-        return _ungroup(mod.merge_splits(acc, m, l, None, interpret=interpret), g)
+        return _ungroup(mod.merge_splits(acc, m, l, None, interpret=interpret, rows=g), g)
     return _merge_splits(acc, m, l, g)

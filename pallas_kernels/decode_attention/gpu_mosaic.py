@@ -1100,9 +1100,10 @@ def paged_decode(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials of both page sets as pairs ``(acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)``:
     the full-precision set as the Triton body returns it (``fp_set``'s table holds its own
-    splits, `FP_PAGES_PER_SPLIT`); the low-bit set in split rows (`rows_of_columns`: each
-    token stream a split of its own).
-    `merge_splits` takes the pairs: no concatenation."""
+    splits, `FP_PAGES_PER_SPLIT`); the low-bit set in the kernel's column layout with its
+    columns split by token stream (``acc_q f32[B, Hkv, S, d, streams, N/streams]``, ``m_q,
+    l_q f32[B, Hkv, S, streams, N/streams]``: reshapes, no copy). `merge_splits` takes the
+    pairs: no concatenation and no transpose."""
     if query_transform is not None or value_inverse is not None:
         raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     if interpret:
@@ -1132,10 +1133,10 @@ def paged_decode(
         int_to_float=cfg.int_to_float,
         columns=True,
     )
-    # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout
-    # measured 30 us at 1 x 64k (run 53) against ~5 us for this transpose plus the row merge.
-    _, streams = mma_columns(group, lowbit_set[0].shape[2])
-    acc_q, m_q, l_q = rows_of_columns(acc_q, m_q, l_q, streams=streams, group=group)
+    n_pad, streams = mma_columns(group, lowbit_set[0].shape[2])
+    split = (streams, n_pad // streams)
+    acc_q = acc_q.reshape(*acc_q.shape[:-1], *split)
+    m_q, l_q = (a.reshape(*a.shape[:-1], *split) for a in (m_q, l_q))
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 
 
@@ -1146,11 +1147,19 @@ def merge_splits(
     value_inverse: jax.Array | None,
     *,
     interpret: bool,
-) -> jax.Array:  # f32[B, Hkv, g, d]
-    """The Triton merge kernel over `paged_decode`'s two partial sets (no concatenation)."""
+    rows: int | None = None,
+) -> jax.Array:  # f32[B, Hkv, rows, d]
+    """The Triton merge kernel over `paged_decode`'s two partial sets, the low-bit set read in
+    the kernel's column layout (the transpose to split rows plus the row merge measured ~12
+    us at 1 x 64k in run 54, one launch of them the transpose)."""
+    acc_q, m_q, l_q = acc[1], m[1], l[1]
+    streams = m_q.shape[-2]
+    cols = (*acc_q.shape[:4], -1)
+    second = (acc_q.reshape(cols), m_q.reshape(*m_q.shape[:3], -1), l_q.reshape(*l_q.shape[:3], -1))
     return gpu_triton.merge_splits(
-        acc[0], m[0], l[0], value_inverse, interpret=interpret, second=(acc[1], m[1], l[1])
-    )
+        acc[0], m[0], l[0], value_inverse, interpret=interpret, second=second,
+        second_streams=streams, rows=rows,
+    )  # fmt: skip
 
 
 # The query-transform prologue is the Triton body's.

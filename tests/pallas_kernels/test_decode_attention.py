@@ -1110,3 +1110,34 @@ def test_gpu_merge_kernel_merges_a_second_set(split_at: int):
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[1, 1, 2] == 0)
+
+
+@pytest.mark.parametrize(
+    "d, n, streams, group", [(64, 8, 2, 3), (128, 8, 2, 4), (64, 16, 1, 9)], ids=str
+)
+def test_gpu_merge_kernel_reads_the_mosaic_column_layout(d, n, streams, group):
+    """A second set in the Mosaic body's column layout (row r of stream t in column
+    t N / streams + r) merges to what its split rows (`rows_of_columns`) give, including an
+    empty split; only ``rows`` query rows are written."""
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+    from pallas_kernels.decode_attention import gpu_triton as gpu_da
+
+    b, hkv, s, s1 = 2, 2, 9, 3
+    ks = jax.random.split(jax.random.key(5), 7)
+    acc = jax.random.normal(ks[0], (b, hkv, s, d, n))
+    m = (jax.random.normal(ks[1], (b, hkv, s, n)) * 4).at[0, 0, 1].set(da.NEG_INF)
+    l = jax.random.uniform(ks[2], (b, hkv, s, n), minval=0.5, maxval=3.0).at[0, 0, 1].set(0)
+    acc = acc.at[0, 0, 1].set(0.0)
+    acc1 = jax.random.normal(ks[3], (b, hkv, s1, 16, d))
+    m1 = jax.random.normal(ks[4], (b, hkv, s1, 16))
+    l1 = jax.random.uniform(ks[5], (b, hkv, s1, 16), minval=0.5, maxval=2.0)
+    vi = jax.random.normal(ks[6], (hkv, d, d))
+    rows = gm.rows_of_columns(acc, m, l, streams=streams, group=group)
+    want = gpu_da.merge_splits(acc1, m1, l1, vi, interpret=True, second=rows, rows=group)
+    got = gpu_da.merge_splits(
+        acc1, m1, l1, vi, interpret=True, second=(acc, m, l), second_streams=streams, rows=group
+    )
+    assert got.shape == (b, hkv, group, d)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rows=17"):
+        gpu_da.merge_splits(acc1, m1, l1, vi, interpret=True, rows=17)
