@@ -381,7 +381,7 @@ def decode_attention_variant(
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)
     vi = None if value_inverse is None else value_inverse.astype(f32)
-    if hoist and qt is not None:
+    if hoist and qt is not None and not mod.FUSES_QUERY_TRANSFORM:
         qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
     # The full-precision pages share the low-bit splits, or (a backend with its own kernel for
     # them) are split FP_PAGES_PER_SPLIT pages at a time.
@@ -391,7 +391,7 @@ def decode_attention_variant(
     acc, m, l = mod.paged_decode(
         cfg,
         qg,
-        None if hoist else qt,
+        qt if mod.FUSES_QUERY_TRANSFORM or not hoist else None,
         None if hoist else vi,
         (fp.k, fp.v, split_table(fp.table, fp_splits, unit), fp.length),
         (

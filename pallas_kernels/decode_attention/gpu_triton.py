@@ -57,6 +57,7 @@ MAX_SPLITS = None  # splits per sequence and head group: only the program target
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True
+FUSES_QUERY_TRANSFORM = False  # `paged_decode` never sees a hoisted query transform
 # Split partials merged by a Pallas kernel (GPU: `merge_splits`) or by XLA ops (TPU).
 HAS_MERGE_KERNEL = True
 # One inner loop: per-row gathers, inline-PTX unpack, deferred row sums. The other modes

@@ -1141,3 +1141,35 @@ def test_gpu_merge_kernel_reads_the_mosaic_column_layout(d, n, streams, group):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="rows=17"):
         gpu_da.merge_splits(acc1, m1, l1, vi, interpret=True, rows=17)
+
+
+@pytest.mark.parametrize(
+    "d, group, n_pad, streams, with_mat",
+    [(128, 4, 8, 2, True), (64, 3, 8, 1, False), (256, 9, 16, 1, True), (128, 8, 8, 1, True)],
+    ids=str,
+)
+def test_mosaic_query_prologue_matches_its_xla_twin(d, group, n_pad, streams, with_mat):
+    """The fused query prologue of the s8-key Mosaic kernel (one Pallas Triton kernel) gives
+    the transformed query and the operands `query_operands` builds from it: the float32
+    query to 1e-5, the 8-bit parts within one code (the two paths may round a product's last
+    bit apart), the reconstruction sum and scales to 1e-4, padding rows and words zero."""
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+    from pallas_kernels.decode_attention import gpu_triton as gpu_da
+
+    b, hkv, gp = 2, 2, 16
+    ks = jax.random.split(jax.random.key(6), 2)
+    qg = jax.random.normal(ks[0], (b, hkv, gp, d)).at[:, :, group:].set(0.0)
+    qg = qg.at[0, 0, 1].set(0.0)  # a query row of zeros
+    mat = jax.random.normal(ks[1], (hkv, d, d)) / np.sqrt(d) if with_mat else None
+    kw = dict(group=group, scale_log2=0.3, n_pad=n_pad, streams=streams)
+    qt, qs, qmeta = gm.query_operands_s8(qg, mat, **kw, interpret=True)
+    qt_want = gpu_da.head_matmul(qg, mat, interpret=True) if with_mat else qg
+    qs_want, qmeta_want = gm.query_operands(qt_want, **kw)
+    np.testing.assert_allclose(np.asarray(qt), np.asarray(qt_want), rtol=1e-5, atol=1e-5)
+    assert qs.shape == qs_want.shape and qs.dtype == jnp.int8
+    diff = np.abs(np.asarray(qs, np.int32) - np.asarray(qs_want, np.int32))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+    used = np.asarray(gm.query_operands(jnp.ones_like(qg), **kw)[0]) != 0
+    assert np.all(np.asarray(qs)[~used] == 0)  # rows of other streams and padded columns
+    np.testing.assert_allclose(np.asarray(qmeta), np.asarray(qmeta_want), rtol=1e-4, atol=1e-4)
+    assert np.all(np.asarray(qmeta)[..., 2 * n_pad :] == 0)
