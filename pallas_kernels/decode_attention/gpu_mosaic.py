@@ -328,7 +328,6 @@ def query_operands(
     return qs, qmeta
 
 
-
 def _query_operands_kernel(
     x_ref, *refs, group, scale_log2, n_pad, streams, has_mat, mat_precision
 ):
@@ -354,29 +353,20 @@ def _query_operands_kernel(
             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
         ) * scale_log2  # fmt: skip
 
-    def split(o):  # split_query_s8 per row
-        sq = jnp.max(jnp.abs(o), axis=1) / 127.0
-        sq = jnp.where(sq > 0, sq, 1.0)
-        u = o / sq[:, None]
-        hi = _round(u)
-        lo = jnp.minimum(jnp.maximum(_round((u - hi) * _LO), -127.0), 127.0)
-        return hi, lo, sq
-
     # s8 rows: stream t's block of 2N rows, high parts in rows t gcol + g, low parts N further.
     r = jnp.arange(streams * 2 * n_pad, dtype=jnp.int32)
     i = r % (2 * n_pad)
     g = i % n_pad - (r // (2 * n_pad)) * gcol
     valid = (g >= 0) & (g < group)
-    hi, lo, _ = split(gathered(jnp.where(valid, g, 0), valid))
-    qs_ref[...] = jnp.where((i < n_pad)[:, None], hi, lo).astype(jnp.int8)
+    hi, lo, _, _ = split_query_s8(gathered(jnp.where(valid, g, 0), valid))
+    qs_ref[...] = jnp.where((i < n_pad)[:, None], hi, lo)
     # Metadata: column c < N its row's scale, word N + c its reconstruction's sum, then zeros.
     w = jnp.arange(qmeta_ref.shape[0], dtype=jnp.int32)
     c = jnp.where(w < n_pad, w, w - n_pad)
     g = c % gcol
     valid = (w < 2 * n_pad) & (g < group)
-    hi, lo, sq = split(gathered(jnp.where(valid, g, 0), valid))
-    total = sq * (jnp.sum(hi, axis=1) + jnp.sum(lo, axis=1) / _LO)
-    qmeta_ref[...] = jnp.where(valid, jnp.where(w < n_pad, sq, total), 0.0)
+    _, _, sq, total = split_query_s8(gathered(jnp.where(valid, g, 0), valid))
+    qmeta_ref[...] = jnp.where(valid, jnp.where(w < n_pad, sq[:, 0], total), 0.0)
 
 
 def query_operands_s8(
