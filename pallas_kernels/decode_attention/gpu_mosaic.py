@@ -55,9 +55,11 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   product: the serial twin the tests compare against.
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
-denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
-kernel combines them with the full-precision segment's partials (the low-bit ``acc`` is
-transposed from the kernel's ``[d, N]`` tiles first). Supported: scale/zero groups
+denominator ``l`` in base-2 units) stay in the kernel's ``[d, N]`` column layout; the Triton
+merge kernel reads them so and combines them with the full-precision segment's partials.
+Before the split kernel, one Pallas Triton kernel (`query_operands_s8`) prepares the query:
+the transform, the 8-bit split and the per-stream layout, so a batch-1 call is four launches
+and a few small XLA fusions of the page tables. Supported: scale/zero groups
 of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 or 64 bytes
 (2 bits at d = 128/256, 4 bits at d = 64/128; 128-byte rows, 4 bits at d = 256, gave wrong
 results in run 20), low-bit pages of a multiple of 64 tokens (steps of 128 tokens when pages
