@@ -330,9 +330,7 @@ def query_operands(
     return qs, qmeta
 
 
-def _query_operands_kernel(
-    x_ref, *refs, group, scale_log2, n_pad, streams, has_mat, mat_precision
-):
+def _query_operands_kernel(x_ref, *refs, group, scale_log2, n_pad, streams, has_mat, mat_precision):
     """One (sequence, KV head): the transformed query rows, then `query_operands`' s8 rows and
     metadata, each output row computed from the query row that feeds it (a row gather of the
     product, as a 0/1 matrix times it: exact), so no value needs slicing or moving."""

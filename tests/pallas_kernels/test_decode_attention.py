@@ -246,9 +246,10 @@ SLOW_CASES = [
 def test_auto_splits_fill_the_gpu_within_the_backend_cap(batch, pages, triton, mosaic):
     assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu") == triton
     assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") == mosaic
-    assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") <= da_api._backend_module(
-        "gpu_mosaic"
-    ).MAX_SPLITS
+    assert (
+        da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic")
+        <= da_api._backend_module("gpu_mosaic").MAX_SPLITS
+    )
 
 
 def test_mosaic_u8_metadata_needs_128_token_pages():
