@@ -424,6 +424,11 @@ MERGE_NUM_WARPS = 8
 _MERGE_COLUMN_CHUNK = 4096
 
 
+def _row_columns(n: int, streams: int, row) -> jax.Array:
+    """bool[N]: the columns of query ``row`` in a column-layout set (one per token stream)."""
+    return jnp.arange(n, dtype=jnp.int32) % (n // streams) == row
+
+
 def _merge_kernel(
     *refs,
     splits: tuple[int, ...],
@@ -446,9 +451,7 @@ def _merge_kernel(
     for (_, m_ref, _), s, s_pad, st in zip(sets, splits, splits_pad, streams):
         ok = jnp.arange(s_pad, dtype=jnp.int32) < s  # the block overhangs the splits
         if st is not None:
-            n = m_ref.shape[-1]
-            mine = jnp.arange(n, dtype=jnp.int32) % (n // st) == row
-            ok = ok[:, None] & mine[None, :]
+            ok = ok[:, None] & _row_columns(m_ref.shape[-1], st, row)[None, :]
         masks.append(ok)
         ms.append(plgpu.load(m_ref, mask=ok, other=da.NEG_INF))
     m_all = functools.reduce(jnp.maximum, [jnp.max(m) for m in ms])
@@ -467,7 +470,7 @@ def _merge_kernel(
             # measured 30 us at 1 x 64k, run 53); the weights zero the other rows' columns.
             s_pad, d, n = acc_ref.shape
             chunk = max(1, min(s_pad, _MERGE_COLUMN_CHUNK // (d * n)))
-            mine = jnp.arange(n, dtype=jnp.int32) % (n // st) == row
+            mine = _row_columns(n, st, row)
             part = None
             for c0 in range(0, s_pad, chunk):
                 okc = (c0 + jnp.arange(chunk, dtype=jnp.int32) < s)[:, None] & mine[None, :]
