@@ -330,6 +330,9 @@ def query_operands(
     return qs, qmeta
 
 
+_PROLOGUE_K = 128  # rows of the query transform per dot in the prologue
+
+
 def _query_operands_kernel(x_ref, *refs, group, scale_log2, n_pad, streams, has_mat, mat_precision):
     """One (sequence, KV head): the transformed query rows, then `query_operands`' s8 rows and
     metadata, each output row computed from the query row that feeds it (a row gather of the
@@ -340,10 +343,16 @@ def _query_operands_kernel(x_ref, *refs, group, scale_log2, n_pad, streams, has_
     gcol = n_pad // streams
     x = x_ref[...]
     if has_mat:
-        x = jax.lax.dot_general(
-            x, mat_ref[...], (((1,), (0,)), ((), ())), precision=mat_precision,
-            preferred_element_type=jnp.float32,
-        )  # fmt: skip
+        # K blocks of the transform: a whole [256, 256] float32 operand is 256 KB of shared
+        # memory, over the 227 KB a Hopper block may have (run 89).
+        k = min(d, _PROLOGUE_K)
+        x = functools.reduce(jnp.add, [
+            jax.lax.dot_general(
+                x_ref[:, pl.ds(k0, k)], mat_ref[pl.ds(k0, k), :], (((1,), (0,)), ((), ())),
+                precision=mat_precision, preferred_element_type=jnp.float32,
+            )
+            for k0 in range(0, d, k)
+        ])  # fmt: skip
     qt_ref[...] = x
 
     def gathered(src, valid):  # [R, d]: row r is query row src[r] (zeros where not valid)
