@@ -381,7 +381,7 @@ def decode_attention_variant(
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)
     vi = None if value_inverse is None else value_inverse.astype(f32)
-    if hoist and qt is not None and not mod.FUSES_QUERY_TRANSFORM:
+    if hoist and qt is not None:
         qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
     # The full-precision pages share the low-bit splits, or (a backend with its own kernel for
     # them) are split FP_PAGES_PER_SPLIT pages at a time.
@@ -391,7 +391,7 @@ def decode_attention_variant(
     acc, m, l = mod.paged_decode(
         cfg,
         qg,
-        qt if mod.FUSES_QUERY_TRANSFORM or not hoist else None,
+        None if hoist else qt,
         None if hoist else vi,
         (fp.k, fp.v, split_table(fp.table, fp_splits, unit), fp.length),
         (
@@ -409,7 +409,7 @@ def decode_attention_variant(
         num_stages=num_stages,
     )
     if mod.HAS_MERGE_KERNEL:  # GPU: merge + value inverse (hoisted) in one kernel
-        o = mod.merge_splits(acc, m, l, vi if hoist else None, interpret=interpret, rows=g)
+        o = mod.merge_splits(acc, m, l, vi if hoist else None, interpret=interpret)
     else:
         o = _merge_partials(acc, m, l)  # [B, Hkv, Gp, d]
     return _ungroup(o, g)
@@ -502,5 +502,5 @@ def decode_attention_bf16(
         num_stages=num_stages,
     )
     if mod.HAS_MERGE_KERNEL:  # the GPU merge kernel (no value inverse here)
-        return _ungroup(mod.merge_splits(acc, m, l, None, interpret=interpret, rows=g), g)
+        return _ungroup(mod.merge_splits(acc, m, l, None, interpret=interpret), g)
     return _merge_splits(acc, m, l, g)

@@ -55,11 +55,9 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   product: the serial twin the tests compare against.
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
-denominator ``l`` in base-2 units) stay in the kernel's ``[d, N]`` column layout; the Triton
-merge kernel reads them so and combines them with the full-precision segment's partials.
-Before the split kernel, one Pallas Triton kernel (`query_operands_s8`) prepares the query:
-the transform, the 8-bit split and the per-stream layout, so a batch-1 call is four launches
-and a few small XLA fusions of the page tables. Supported: scale/zero groups
+denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
+kernel combines them with the full-precision segment's partials (the low-bit ``acc`` is
+transposed from the kernel's ``[d, N]`` tiles first). Supported: scale/zero groups
 of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 or 64 bytes
 (2 bits at d = 128/256, 4 bits at d = 64/128; 128-byte rows, 4 bits at d = 256, gave wrong
 results in run 20), low-bit pages of a multiple of 64 tokens (steps of 128 tokens when pages
@@ -274,12 +272,6 @@ def _planes_s8(codes: jax.Array, bits: int, dtype=jnp.int8) -> list[jax.Array]:
     return list(unpack(codes))
 
 
-def _round(x: jax.Array) -> jax.Array:
-    """Nearest integer, halves up: ``floor(x + 1/2)``, which Pallas Triton lowers (it has no
-    round), so the fused query prologue and its XLA twin round alike."""
-    return jnp.floor(x + 0.5)
-
-
 def split_query_s8(qf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(hi, lo int8, s_q f32[..., 1], sum f32[...]) of f32 queries ``[..., d]``:
     ``q ~ s_q (hi + lo / 254)`` per query row, and the sum of that reconstruction (what the
@@ -287,151 +279,10 @@ def split_query_s8(qf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.
     sq = jnp.max(jnp.abs(qf), axis=-1, keepdims=True) / 127.0
     sq = jnp.where(sq > 0, sq, 1.0)
     u = qf / sq
-    hi = _round(u)
-    lo = jnp.clip(_round((u - hi) * _LO), -127, 127)
+    hi = jnp.round(u)
+    lo = jnp.clip(jnp.round((u - hi) * _LO), -127, 127)
     total = sq[..., 0] * (hi.sum(-1) + lo.sum(-1) / _LO)
     return hi.astype(jnp.int8), lo.astype(jnp.int8), sq, total
-
-
-def query_operands(
-    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries
-    *,
-    group: int,
-    scale_log2: float,
-    n_pad: int,
-    streams: int,
-    key_operand: str = "s8",
-) -> tuple[jax.Array, jax.Array]:
-    """The split kernel's query operands in XLA (the twin of `query_operands_s8`): ``qs``,
-    the query times ``scale_log2`` once per token stream in that stream's MMA columns
-    (s8 keys: int8[B, Hkv, streams, 2N, d], high parts in rows ``t N/streams + g``, low
-    parts N rows further; float16 keys: f16[B, Hkv, streams, N, d]), and ``qmeta``
-    f32[B, Hkv, 32] (s8 keys: each column's query scale, then its reconstruction's sum)."""
-    b, hkv, _, d = qg.shape
-    gcol = n_pad // streams
-    eye = jnp.eye(streams, dtype=jnp.float32)
-    qmeta = jnp.zeros((b, hkv, _COPY_WORDS), jnp.float32)
-    if key_operand == "s8":
-        hi, lo, sq, total = split_query_s8(qg[:, :, :group] * scale_log2)
-        parts = jnp.stack([hi, lo], axis=2).astype(jnp.float32)  # [B, Hkv, 2, group, d]
-        parts = jnp.pad(parts, ((0, 0), (0, 0), (0, 0), (0, gcol - group), (0, 0)))
-        qs = jnp.einsum("bhjgd,tu->bhtjugd", parts, eye).astype(jnp.int8)
-        qs = qs.reshape(b, hkv, streams, 2 * n_pad, d)
-        cols = [
-            jnp.tile(jnp.pad(v, ((0, 0), (0, 0), (0, gcol - group))), streams)
-            for v in (sq[..., 0], total)
-        ]  # [B, Hkv, N] each
-        qmeta = qmeta.at[..., : 2 * n_pad].set(jnp.concatenate(cols, axis=-1))
-    else:
-        qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
-        qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gcol - group), (0, 0)))
-        qs = jnp.einsum("bhgd,tu->bhtugd", qs, eye.astype(qs.dtype))
-        qs = qs.reshape(b, hkv, streams, n_pad, d)
-    return qs, qmeta
-
-
-_PROLOGUE_K = 128  # rows of the query transform per dot in the prologue
-
-
-def _query_operands_kernel(x_ref, *refs, group, scale_log2, n_pad, streams, has_mat, mat_precision):
-    """One (sequence, KV head): the transformed query rows, then `query_operands`' s8 rows and
-    metadata, each output row computed from the query row that feeds it (a row gather of the
-    product, as a 0/1 matrix times it: exact), so no value needs slicing or moving."""
-    mat_ref = refs[0] if has_mat else None
-    qt_ref, qs_ref, qmeta_ref = refs[-3:]
-    gp, d = x_ref.shape
-    gcol = n_pad // streams
-    x = x_ref[...]
-    if has_mat:
-        # K blocks of the transform: a whole [256, 256] float32 operand is 256 KB of shared
-        # memory, over the 227 KB a Hopper block may have (run 89).
-        k = min(d, _PROLOGUE_K)
-        x = functools.reduce(jnp.add, [
-            jax.lax.dot_general(
-                x_ref[:, pl.ds(k0, k)], mat_ref[pl.ds(k0, k), :], (((1,), (0,)), ((), ())),
-                precision=mat_precision, preferred_element_type=jnp.float32,
-            )
-            for k0 in range(0, d, k)
-        ])  # fmt: skip
-    qt_ref[...] = x
-
-    def gathered(src, valid):  # [R, d]: row r is query row src[r] (zeros where not valid)
-        pick = (src[:, None] == jnp.arange(gp, dtype=jnp.int32)[None, :]) & valid[:, None]
-        return jax.lax.dot_general(
-            pick.astype(jnp.float32), x, (((1,), (0,)), ((), ())),
-            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-        ) * scale_log2  # fmt: skip
-
-    # s8 rows: stream t's block of 2N rows, high parts in rows t gcol + g, low parts N further.
-    r = jnp.arange(streams * 2 * n_pad, dtype=jnp.int32)
-    i = r % (2 * n_pad)
-    g = i % n_pad - (r // (2 * n_pad)) * gcol
-    valid = (g >= 0) & (g < group)
-    hi, lo, _, _ = split_query_s8(gathered(jnp.where(valid, g, 0), valid))
-    qs_ref[...] = jnp.where((i < n_pad)[:, None], hi, lo)
-    # Metadata: column c < N its row's scale, word N + c its reconstruction's sum, then zeros.
-    w = jnp.arange(qmeta_ref.shape[0], dtype=jnp.int32)
-    c = jnp.where(w < n_pad, w, w - n_pad)
-    g = c % gcol
-    valid = (w < 2 * n_pad) & (g < group)
-    _, _, sq, total = split_query_s8(gathered(jnp.where(valid, g, 0), valid))
-    qmeta_ref[...] = jnp.where(valid, jnp.where(w < n_pad, sq[:, 0], total), 0.0)
-
-
-def query_operands_s8(
-    qg: jax.Array,  # f32[B, Hkv, Gp, d] queries, original frame
-    mat: jax.Array | None,  # f32[Hkv, d, d] query transform (None: identity)
-    *,
-    group: int,
-    scale_log2: float,
-    n_pad: int,
-    streams: int,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The query prologue of the s8-key split kernel in one Pallas Triton kernel: ``(qg @ mat``
-    f32[B, Hkv, Gp, d] (the full-precision pages' query), ``qs``, ``qmeta)`` as
-    `query_operands` builds them from it. At batch 1 the transform plus XLA's split and
-    layout fusions were five launches before the split kernel."""
-    from jax.experimental.pallas import triton as pl_triton
-
-    b, hkv, gp, d = qg.shape
-    if gp < 16 or gp & (gp - 1) or group > n_pad // streams:
-        raise ValueError(f"Gp={gp} must be a power of two >= 16 and {group=} <= N/streams")
-    has_mat = mat is not None
-    specs = [pl.BlockSpec((None, None, gp, d), lambda bi, h: (bi, h, 0, 0))]
-    args = [qg]
-    if has_mat:
-        specs.append(pl.BlockSpec((None, d, d), lambda bi, h: (h, 0, 0)))
-        args.append(mat)
-    rows = streams * 2 * n_pad
-    kernel = functools.partial(
-        _query_operands_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
-        streams=streams, has_mat=has_mat,
-        # TF32x3 on the tensor cores (~float32, far inside the 8-bit split's 2^-15) rather
-        # than a float32 FMA chain in one program; the CPU interpreter has no TF32.
-        mat_precision=(
-            jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-        ),
-    )  # fmt: skip
-    qt, qs, qmeta = pl.pallas_call(
-        kernel,
-        grid=(b, hkv),
-        in_specs=specs,
-        out_specs=[
-            pl.BlockSpec((None, None, gp, d), lambda bi, h: (bi, h, 0, 0)),
-            pl.BlockSpec((None, None, rows, d), lambda bi, h: (bi, h, 0, 0)),
-            pl.BlockSpec((None, None, _COPY_WORDS), lambda bi, h: (bi, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.int8),
-            jax.ShapeDtypeStruct((b, hkv, _COPY_WORDS), jnp.float32),
-        ],
-        compiler_params=pl_triton.CompilerParams(num_warps=8, num_stages=1),
-        interpret=interpret,
-        name="paged_decode_query_operands",
-    )(*args)
-    return qt, qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
@@ -829,7 +680,6 @@ def lowbit_partials(
     n_pad: int | None = None,
     streams: int | None = None,
     columns: bool = False,
-    operands: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -846,8 +696,6 @@ def lowbit_partials(
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
     column ``t * N / streams + g``.
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
-    ``operands``: ``(qs, qmeta)`` already built for these columns (`query_operands_s8`);
-    None builds them from ``qg`` (`query_operands`).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -890,13 +738,29 @@ def lowbit_partials(
         raise ValueError(f"stage={stage!r} is a float16-value attribution row; {int_to_float=}")
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
-    if operands is None:
-        qs, qmeta = query_operands(
-            qg, group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams,
-            key_operand=key_operand,
-        )  # fmt: skip
+    # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
+    # once per stream in that stream's columns: [B, Hkv, streams, N, d].
+    gcol = n_pad // streams
+    eye = jnp.eye(streams, dtype=jnp.float32)
+    qmeta = jnp.zeros((b, hkv, _COPY_WORDS), jnp.float32)
+    if key_operand == "s8":
+        # [B, Hkv, streams, 2N, d]: stream t's high parts in rows t N/streams + g, its low
+        # parts N rows further; per column its scale and the sum of its reconstruction.
+        hi, lo, sq, total = split_query_s8(qg[:, :, :group] * scale_log2)
+        parts = jnp.stack([hi, lo], axis=2).astype(jnp.float32)  # [B, Hkv, 2, group, d]
+        parts = jnp.pad(parts, ((0, 0), (0, 0), (0, 0), (0, gcol - group), (0, 0)))
+        qs = jnp.einsum("bhjgd,tu->bhtjugd", parts, eye).astype(jnp.int8)
+        qs = qs.reshape(b, hkv, streams, 2 * n_pad, d)
+        cols = [
+            jnp.tile(jnp.pad(v, ((0, 0), (0, 0), (0, gcol - group))), streams)
+            for v in (sq[..., 0], total)
+        ]  # [B, Hkv, N] each
+        qmeta = qmeta.at[..., : 2 * n_pad].set(jnp.concatenate(cols, axis=-1))
     else:
-        qs, qmeta = operands
+        qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
+        qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gcol - group), (0, 0)))
+        qs = jnp.einsum("bhgd,tu->bhtugd", qs, eye.astype(qs.dtype))
+        qs = qs.reshape(b, hkv, streams, n_pad, d)
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     tab_ext = _split_rows(tab, lens, page, pps)
     metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
@@ -1209,9 +1073,6 @@ FP_PAGES_PER_SPLIT = 4
 # 128k (0.080 / 0.075 / 0.078 ms against 0.135 / 0.080 / 0.098 at 128 splits).
 MAX_SPLITS = 32
 HOISTS_TRANSFORMS = True
-# `paged_decode` takes the query transform: with s8 keys it is fused into the query prologue
-# (`query_operands_s8`), otherwise applied by `head_matmul` there.
-FUSES_QUERY_TRANSFORM = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
 # `_plane_to_f16`, `_planes_asm`, `_planes_s8` keys; "s8_e4m3x2" / "s8_e4m3": s8 keys and
@@ -1239,24 +1100,13 @@ def paged_decode(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials of both page sets as pairs ``(acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)``:
     the full-precision set as the Triton body returns it (``fp_set``'s table holds its own
-    splits, `FP_PAGES_PER_SPLIT`); the low-bit set in the kernel's column layout with its
-    columns split by token stream (``acc_q f32[B, Hkv, S, d, streams, N/streams]``, ``m_q,
-    l_q f32[B, Hkv, S, streams, N/streams]``: reshapes, no copy). `merge_splits` takes the
-    pairs: no concatenation and no transpose."""
-    if value_inverse is not None:
-        raise ValueError("the GPU split kernel takes no value inverse; merge_splits applies it")
+    splits, `FP_PAGES_PER_SPLIT`); the low-bit set in split rows (`rows_of_columns`: each
+    token stream a split of its own).
+    `merge_splits` takes the pairs: no concatenation."""
+    if query_transform is not None or value_inverse is not None:
+        raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
     if interpret:
         raise ValueError("the Mosaic GPU body has no interpret mode; use backend='gpu'")
-    group = cfg.group if cfg.group is not None else qg.shape[2]
-    n_pad, streams = mma_columns(group, lowbit_set[0].shape[2])
-    operands = None
-    if cfg.int_to_float.startswith("s8"):
-        qg, *operands = query_operands_s8(
-            qg, query_transform, group=group, scale_log2=cfg.scale_log2, n_pad=n_pad,
-            streams=streams,
-        )  # fmt: skip
-    elif query_transform is not None:
-        qg = head_matmul(qg, query_transform, interpret=False)
     fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
     acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
         fp_cfg,
@@ -1269,6 +1119,7 @@ def paged_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    group = cfg.group if cfg.group is not None else qg.shape[2]
     acc_q, m_q, l_q = lowbit_partials(
         qg,
         lowbit_set,
@@ -1280,11 +1131,11 @@ def paged_decode(
         code_copy=cfg.gather,
         int_to_float=cfg.int_to_float,
         columns=True,
-        operands=None if operands is None else tuple(operands),
     )
-    split = (streams, n_pad // streams)
-    acc_q = acc_q.reshape(*acc_q.shape[:-1], *split)
-    m_q, l_q = (a.reshape(*a.shape[:-1], *split) for a in (m_q, l_q))
+    # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout
+    # measured 30 us at 1 x 64k (run 53) against ~5 us for this transpose plus the row merge.
+    _, streams = mma_columns(group, lowbit_set[0].shape[2])
+    acc_q, m_q, l_q = rows_of_columns(acc_q, m_q, l_q, streams=streams, group=group)
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 
 
@@ -1295,20 +1146,12 @@ def merge_splits(
     value_inverse: jax.Array | None,
     *,
     interpret: bool,
-    rows: int | None = None,
-) -> jax.Array:  # f32[B, Hkv, rows, d]
-    """The Triton merge kernel over `paged_decode`'s two partial sets, the low-bit set read in
-    the kernel's column layout (the transpose to split rows plus the row merge measured ~12
-    us at 1 x 64k in run 54, one launch of them the transpose)."""
-    acc_q, m_q, l_q = acc[1], m[1], l[1]
-    streams = m_q.shape[-2]
-    cols = (*acc_q.shape[:4], -1)
-    second = (acc_q.reshape(cols), m_q.reshape(*m_q.shape[:3], -1), l_q.reshape(*l_q.shape[:3], -1))
+) -> jax.Array:  # f32[B, Hkv, g, d]
+    """The Triton merge kernel over `paged_decode`'s two partial sets (no concatenation)."""
     return gpu_triton.merge_splits(
-        acc[0], m[0], l[0], value_inverse, interpret=interpret, second=second,
-        second_streams=streams, rows=rows,
-    )  # fmt: skip
+        acc[0], m[0], l[0], value_inverse, interpret=interpret, second=(acc[1], m[1], l[1])
+    )
 
 
-# The query-transform prologue of the float16-key operands is the Triton body's.
+# The query-transform prologue is the Triton body's.
 head_matmul = gpu_triton.head_matmul

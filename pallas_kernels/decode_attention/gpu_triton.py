@@ -57,7 +57,6 @@ MAX_SPLITS = None  # splits per sequence and head group: only the program target
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 HOISTS_TRANSFORMS = True
-FUSES_QUERY_TRANSFORM = False  # `paged_decode` never sees a hoisted query transform
 # Split partials merged by a Pallas kernel (GPU: `merge_splits`) or by XLA ops (TPU).
 HAS_MERGE_KERNEL = True
 # One inner loop: per-row gathers, inline-PTX unpack, deferred row sums. The other modes
@@ -420,66 +419,25 @@ def head_matmul(
 
 # Warps of the merge kernel: its [d, d] value-inverse tile is 64 KB of float32 registers.
 MERGE_NUM_WARPS = 8
-# Float32 elements of one [splits, d, N] chunk of a column-layout set the merge holds at once.
-_MERGE_COLUMN_CHUNK = 4096
 
 
-def _row_columns(n: int, streams: int, row) -> jax.Array:
-    """bool[N]: the columns of query ``row`` in a column-layout set (one per token stream)."""
-    return jnp.arange(n, dtype=jnp.int32) % (n // streams) == row
-
-
-def _merge_kernel(
-    *refs,
-    splits: tuple[int, ...],
-    splits_pad: tuple[int, ...],
-    streams: tuple[int | None, ...],
-    has_vi: bool,
-):
+def _merge_kernel(*refs, splits: tuple[int, ...], splits_pad: tuple[int, ...], has_vi: bool):
     """One (sequence, KV head, query row): ``(acc, m, l)`` refs of each partial set, then the
-    value inverse (``has_vi``), then the output. A set with ``streams`` None holds split rows
-    (``acc [S_pad, d]``, ``m, l [S_pad]``: this query row's); otherwise it is in the Mosaic
-    body's column layout (``acc [S_pad, d, N]``, ``m, l [S_pad, N]``), this row's partials in
-    column ``t * N / streams + row`` of each token stream ``t``."""
-    row = pl.program_id(2)
+    value inverse (``has_vi``), then the output."""
     sets = [refs[3 * i : 3 * i + 3] for i in range(len(splits))]
     vi_ref = refs[3 * len(splits)] if has_vi else None
     o_ref = refs[-1]
-    # The log-sum-exp merge of `da._merge_partials` over every set's splits: the running max
-    # first, then each set's weighted sums.
-    masks, ms = [], []
-    for (_, m_ref, _), s, s_pad, st in zip(sets, splits, splits_pad, streams):
+    accs, ms, ls = [], [], []
+    for (acc_ref, m_ref, l_ref), s, s_pad in zip(sets, splits, splits_pad):
         ok = jnp.arange(s_pad, dtype=jnp.int32) < s  # the block overhangs the splits
-        if st is not None:
-            ok = ok[:, None] & _row_columns(m_ref.shape[-1], st, row)[None, :]
-        masks.append(ok)
-        ms.append(plgpu.load(m_ref, mask=ok, other=da.NEG_INF))
+        accs.append(plgpu.load(acc_ref, mask=ok[:, None], other=0.0))  # [S_pad, d]
+        ms.append(plgpu.load(m_ref, mask=ok, other=da.NEG_INF))  # [S_pad]
+        ls.append(plgpu.load(l_ref, mask=ok, other=0.0))
+    # The log-sum-exp merge of `da._merge_partials` over every set's splits.
     m_all = functools.reduce(jnp.maximum, [jnp.max(m) for m in ms])
-    l_all = jnp.zeros((), jnp.float32)
-    o = None
-    for (acc_ref, m_ref, l_ref), ok, m, s, st in zip(sets, masks, ms, splits, streams):
-        # Weights are 0 for padding, empty splits and other rows' columns (unless no split
-        # of any set saw a key: then every l is 0 and the output is 0).
-        w = jnp.where(ok, jnp.exp2(m - m_all), 0.0)
-        l_all = l_all + jnp.sum(w * plgpu.load(l_ref, mask=ok, other=0.0))
-        if st is None:
-            acc = plgpu.load(acc_ref, mask=ok[:, None], other=0.0)  # [S_pad, d]
-            part = jnp.sum(w[:, None] * acc, axis=0)
-        else:
-            # [chunk, d, N] blocks: contiguous loads (a strided read of one column per split
-            # measured 30 us at 1 x 64k, run 53); the weights zero the other rows' columns.
-            s_pad, d, n = acc_ref.shape
-            chunk = max(1, min(s_pad, _MERGE_COLUMN_CHUNK // (d * n)))
-            mine = _row_columns(n, st, row)
-            part = None
-            for c0 in range(0, s_pad, chunk):
-                okc = (c0 + jnp.arange(chunk, dtype=jnp.int32) < s)[:, None] & mine[None, :]
-                mc = plgpu.load(m_ref.at[pl.ds(c0, chunk)], mask=okc, other=da.NEG_INF)
-                wc = jnp.where(okc, jnp.exp2(mc - m_all), 0.0)  # [chunk, N]
-                a = plgpu.load(acc_ref.at[pl.ds(c0, chunk)], mask=okc[:, None, :], other=0.0)
-                pc = jnp.sum(jnp.sum(wc[:, None, :] * a, axis=2), axis=0)  # [d]
-                part = pc if part is None else part + pc
-        o = part if o is None else o + part
+    ws = [jnp.exp2(m - m_all) for m in ms]  # 0 for padding and empty splits unless all are
+    l_all = sum(jnp.sum(w * l) for w, l in zip(ws, ls))
+    o = sum(jnp.sum(w[:, None] * acc, axis=0) for w, acc in zip(ws, accs))
     o = o / jnp.where(l_all > 0, l_all, 1.0)  # [d]
     if vi_ref is not None:
         # o @ B_V as a broadcast multiply and column sum: exact float32 products (what
@@ -496,9 +454,7 @@ def merge_splits(
     *,
     interpret: bool,
     second: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    second_streams: int | None = None,
-    rows: int | None = None,
-) -> jax.Array:  # f32[B, Hkv, rows, d]
+) -> jax.Array:  # f32[B, Hkv, R, d]
     """Log-sum-exp merge of the split partials and the value-inverse epilogue in one kernel.
 
     One program per (sequence, KV head, query row) reads that row's ``[S, d]`` partials (the
@@ -506,59 +462,33 @@ def merge_splits(
     ``B_V``. Replaces the XLA merge (four fusions) and the `head_matmul` epilogue: at 1 x 64k
     those were ~17 us of ~30 us fixed cost on the H200 (run 11, ncu kernel listing).
 
-    ``second``: another set of partials merged with the first, so two kernels' partials need
-    no concatenation before the merge: split rows (``acc f32[B, Hkv, S2, R2, d]``, ``m, l
-    f32[B, Hkv, S2, R3]``, ``R2, R3 >= rows``), or with ``second_streams`` the Mosaic body's
-    column layout (``acc f32[B, Hkv, S2, d, N]``, ``m, l f32[B, Hkv, S2, N]``, row ``r`` of
-    token stream ``t`` in column ``t * N / second_streams + r``), read as it is (no transpose
-    kernel before the merge). ``rows``: the query rows to merge (default ``R``); rows past
-    them (group padding) are neither read nor written.
+    ``second``: another set of partials merged with the first (``acc f32[B, Hkv, S2, R2, d]``,
+    ``m, l f32[B, Hkv, S2, R3]``, ``R2, R3 >= R``: rows past ``R`` are not read), so two
+    kernels' partials need no concatenation before the merge.
     """
     b, hkv, s, r, d = acc.shape
-    rows = r if rows is None else rows
-    if not 1 <= rows <= r:
-        raise ValueError(f"rows={rows} must be in [1, {r}] (the partials' rows)")
-    specs, args, splits, splits_pad, streams = [], [], [], [], []
-
-    def add(a, mm, ll, st):
-        s_, s_pad = a.shape[2], 1 << (a.shape[2] - 1).bit_length()
-        if st is None:
-            specs.extend([
-                pl.BlockSpec((None, None, s_pad, None, d), lambda bi, h, ri: (bi, h, 0, ri, 0)),
-                pl.BlockSpec((None, None, s_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
-                pl.BlockSpec((None, None, s_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
-            ])  # fmt: skip
-        else:
-            n = a.shape[4]
-            specs.extend([
-                pl.BlockSpec((None, None, s_pad, d, n), lambda bi, h, ri: (bi, h, 0, 0, 0)),
-                pl.BlockSpec((None, None, s_pad, n), lambda bi, h, ri: (bi, h, 0, 0)),
-                pl.BlockSpec((None, None, s_pad, n), lambda bi, h, ri: (bi, h, 0, 0)),
-            ])  # fmt: skip
-        args.extend([a, mm, ll])
-        splits.append(s_)
-        splits_pad.append(s_pad)
-        streams.append(st)
-
-    add(acc, m, l, None)
+    s_pad = 1 << (s - 1).bit_length()
+    specs = [
+        pl.BlockSpec((None, None, s_pad, None, d), lambda bi, h, ri: (bi, h, 0, ri, 0)),
+        pl.BlockSpec((None, None, s_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+        pl.BlockSpec((None, None, s_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+    ]
+    args = [acc, m, l]
+    splits, splits_pad = [s], [s_pad]
     if second is not None:
         acc2, m2, l2 = second
-        if second_streams is None:
-            if acc2.shape[:2] != (b, hkv) or acc2.shape[3] < rows or acc2.shape[4] != d:
-                raise ValueError(f"{acc2.shape=} must be [B={b}, Hkv={hkv}, S2, >={rows}, d={d}]")
-        else:
-            n = acc2.shape[-1]
-            if (
-                acc2.shape[:2] != (b, hkv)
-                or acc2.shape[3] != d
-                or n % second_streams
-                or rows > n // second_streams
-            ):
-                raise ValueError(
-                    f"{acc2.shape=} must be [B={b}, Hkv={hkv}, S2, d={d}, N] with N a multiple "
-                    f"of second_streams={second_streams} and rows={rows} <= N / streams"
-                )
-        add(acc2, m2, l2, second_streams)
+        s2 = acc2.shape[2]
+        s2_pad = 1 << (s2 - 1).bit_length()
+        if acc2.shape[:2] != (b, hkv) or acc2.shape[3] < r or acc2.shape[4] != d:
+            raise ValueError(f"{acc2.shape=} must be [B={b}, Hkv={hkv}, S2, >={r}, d={d}]")
+        specs += [
+            pl.BlockSpec((None, None, s2_pad, None, d), lambda bi, h, ri: (bi, h, 0, ri, 0)),
+            pl.BlockSpec((None, None, s2_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+            pl.BlockSpec((None, None, s2_pad, None), lambda bi, h, ri: (bi, h, 0, ri)),
+        ]
+        args += [acc2, m2, l2]
+        splits.append(s2)
+        splits_pad.append(s2_pad)
     if value_inverse is not None:
         specs.append(pl.BlockSpec((None, d, d), lambda bi, h, ri: (h, 0, 0)))
         args.append(value_inverse)
@@ -566,15 +496,14 @@ def merge_splits(
         _merge_kernel,
         splits=tuple(splits),
         splits_pad=tuple(splits_pad),
-        streams=tuple(streams),
         has_vi=value_inverse is not None,
     )
     return pl.pallas_call(
         kernel,
-        grid=(b, hkv, rows),
+        grid=(b, hkv, r),
         in_specs=specs,
         out_specs=pl.BlockSpec((None, None, None, d), lambda bi, h, ri: (bi, h, ri, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, r, d), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=MERGE_NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="paged_decode_merge",

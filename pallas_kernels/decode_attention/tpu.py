@@ -26,7 +26,6 @@ FP_PAGES_PER_SPLIT = None  # the full-precision pages share the low-bit splits
 MAX_SPLITS = None  # splits per sequence and head group: only the program target
 # The Mosaic body applies the transforms per split program and dots one code plane at a time.
 HOISTS_TRANSFORMS = False
-FUSES_QUERY_TRANSFORM = False  # `paged_decode` never sees a hoisted query transform
 # Split partials merged by a Pallas kernel (GPU: `merge_splits`) or by XLA ops (TPU).
 HAS_MERGE_KERNEL = False
 GATHER_MODES = ("pages",)  # one page per grid step through BlockSpecs

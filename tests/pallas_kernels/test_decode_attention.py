@@ -246,10 +246,9 @@ SLOW_CASES = [
 def test_auto_splits_fill_the_gpu_within_the_backend_cap(batch, pages, triton, mosaic):
     assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu") == triton
     assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") == mosaic
-    assert (
-        da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic")
-        <= da_api._backend_module("gpu_mosaic").MAX_SPLITS
-    )
+    assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") <= da_api._backend_module(
+        "gpu_mosaic"
+    ).MAX_SPLITS
 
 
 def test_mosaic_u8_metadata_needs_128_token_pages():
@@ -1111,66 +1110,3 @@ def test_gpu_merge_kernel_merges_a_second_set(split_at: int):
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[1, 1, 2] == 0)
-
-
-@pytest.mark.parametrize(
-    "d, n, streams, group", [(64, 8, 2, 3), (128, 8, 2, 4), (64, 16, 1, 9)], ids=str
-)
-def test_gpu_merge_kernel_reads_the_mosaic_column_layout(d, n, streams, group):
-    """A second set in the Mosaic body's column layout (row r of stream t in column
-    t N / streams + r) merges to what its split rows (`rows_of_columns`) give, including an
-    empty split; only ``rows`` query rows are written."""
-    from pallas_kernels.decode_attention import gpu_mosaic as gm
-    from pallas_kernels.decode_attention import gpu_triton as gpu_da
-
-    b, hkv, s, s1 = 2, 2, 9, 3
-    ks = jax.random.split(jax.random.key(5), 7)
-    acc = jax.random.normal(ks[0], (b, hkv, s, d, n))
-    m = (jax.random.normal(ks[1], (b, hkv, s, n)) * 4).at[0, 0, 1].set(da.NEG_INF)
-    l = jax.random.uniform(ks[2], (b, hkv, s, n), minval=0.5, maxval=3.0).at[0, 0, 1].set(0)
-    acc = acc.at[0, 0, 1].set(0.0)
-    acc1 = jax.random.normal(ks[3], (b, hkv, s1, 16, d))
-    m1 = jax.random.normal(ks[4], (b, hkv, s1, 16))
-    l1 = jax.random.uniform(ks[5], (b, hkv, s1, 16), minval=0.5, maxval=2.0)
-    vi = jax.random.normal(ks[6], (hkv, d, d))
-    rows = gm.rows_of_columns(acc, m, l, streams=streams, group=group)
-    want = gpu_da.merge_splits(acc1, m1, l1, vi, interpret=True, second=rows, rows=group)
-    got = gpu_da.merge_splits(
-        acc1, m1, l1, vi, interpret=True, second=(acc, m, l), second_streams=streams, rows=group
-    )
-    assert got.shape == (b, hkv, group, d)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="rows=17"):
-        gpu_da.merge_splits(acc1, m1, l1, vi, interpret=True, rows=17)
-
-
-@pytest.mark.parametrize(
-    "d, group, n_pad, streams, with_mat",
-    [(128, 4, 8, 2, True), (64, 3, 8, 1, False), (256, 9, 16, 1, True), (128, 8, 8, 1, True)],
-    ids=str,
-)
-def test_mosaic_query_prologue_matches_its_xla_twin(d, group, n_pad, streams, with_mat):
-    """The fused query prologue of the s8-key Mosaic kernel (one Pallas Triton kernel) gives
-    the transformed query and the operands `query_operands` builds from it: the float32
-    query to 1e-5, the 8-bit parts within one code (the two paths may round a product's last
-    bit apart), the reconstruction sum and scales to 1e-4, padding rows and words zero."""
-    from pallas_kernels.decode_attention import gpu_mosaic as gm
-    from pallas_kernels.decode_attention import gpu_triton as gpu_da
-
-    b, hkv, gp = 2, 2, 16
-    ks = jax.random.split(jax.random.key(6), 2)
-    qg = jax.random.normal(ks[0], (b, hkv, gp, d)).at[:, :, group:].set(0.0)
-    qg = qg.at[0, 0, 1].set(0.0)  # a query row of zeros
-    mat = jax.random.normal(ks[1], (hkv, d, d)) / np.sqrt(d) if with_mat else None
-    kw = dict(group=group, scale_log2=0.3, n_pad=n_pad, streams=streams)
-    qt, qs, qmeta = gm.query_operands_s8(qg, mat, **kw, interpret=True)
-    qt_want = gpu_da.head_matmul(qg, mat, interpret=True) if with_mat else qg
-    qs_want, qmeta_want = gm.query_operands(qt_want, **kw)
-    np.testing.assert_allclose(np.asarray(qt), np.asarray(qt_want), rtol=1e-5, atol=1e-5)
-    assert qs.shape == qs_want.shape and qs.dtype == jnp.int8
-    diff = np.abs(np.asarray(qs, np.int32) - np.asarray(qs_want, np.int32))
-    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
-    unused = np.all(np.asarray(qs_want) == 0, axis=-1)  # other streams', padding, zero rows
-    assert unused.any() and np.all(np.asarray(qs)[unused] == 0)
-    np.testing.assert_allclose(np.asarray(qmeta), np.asarray(qmeta_want), rtol=1e-4, atol=1e-4)
-    assert np.all(np.asarray(qmeta)[..., 2 * n_pad :] == 0)
