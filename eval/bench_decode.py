@@ -456,6 +456,10 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_vdims_exponent": _dims(2, int_to_float="exponent"),
     "int4_mosaic_vdims_exponent": _dims(4, int_to_float="exponent"),
     # Split count of the dims body (splits_factor x the automatic choice).
+    # The sink/recent pages' kernel in splits of 1 / 2 pages (default 4): at batch 1 its
+    # programs walk their pages serially (run 90, H100: 7.0 us of a 43.5 us call at 1 x 64k).
+    "int2_mosaic_vdims_fp1": _dims(2, fp_pages_per_split=1),
+    "int2_mosaic_vdims_fp2": _dims(2, fp_pages_per_split=2),
     "int2_mosaic_vdims_splits_eighth": _dims(2, splits_factor=0.125),
     "int2_mosaic_vdims_splits_quarter": _dims(2, splits_factor=0.25),
     "int2_mosaic_vdims_splits_half": _dims(2, splits_factor=0.5),

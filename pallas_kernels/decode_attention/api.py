@@ -292,7 +292,10 @@ def decode_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + ("gather", "int_to_float", "row_sums"))
+_VARIANT_STATIC = ("gather", "int_to_float", "row_sums", "fp_pages_per_split")
+
+
+@functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + _VARIANT_STATIC)
 def decode_attention_variant(
     q: jax.Array,  # bf16|f32[B, Hq, d]
     fp: FpPages,
@@ -312,6 +315,7 @@ def decode_attention_variant(
     gather: str | None = None,
     int_to_float: str | None = None,
     row_sums: str | None = None,
+    fp_pages_per_split: int | None = None,
 ) -> jax.Array:  # f32[B, Hq, d]
     """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
 
@@ -320,6 +324,8 @@ def decode_attention_variant(
         defaults (``DEFAULT_GATHER`` / ``DEFAULT_INT_TO_FLOAT`` / ``DEFAULT_ROW_SUMS`` of the
         backend module; the modes a backend supports are its ``GATHER_MODES`` /
         ``INT_TO_FLOAT`` / ``ROW_SUMS``).
+      fp_pages_per_split: full-precision pages per split of a backend that serves them with
+        a kernel of their own (``FP_PAGES_PER_SPLIT`` of the module when ``None``).
       Others: as in `decode_attention`.
     """
     dims = _validate(q, fp, lowbit, transforms, bits=bits, value_layout=value_layout, bits_v=bits_v)
@@ -386,8 +392,15 @@ def decode_attention_variant(
     # The full-precision pages share the low-bit splits, or (a backend with its own kernel for
     # them) are split FP_PAGES_PER_SPLIT pages at a time.
     fp_splits = num_splits
-    if mod.FP_PAGES_PER_SPLIT is not None:
-        fp_splits = -(-fp.table.shape[1] // mod.FP_PAGES_PER_SPLIT)
+    if fp_pages_per_split is None:
+        fp_pages_per_split = mod.FP_PAGES_PER_SPLIT
+    elif mod.FP_PAGES_PER_SPLIT is None or fp_pages_per_split < 1:
+        raise ValueError(
+            f"fp_pages_per_split={fp_pages_per_split} needs a backend with a full-precision "
+            f"kernel of its own (not {backend=}) and must be >= 1"
+        )
+    if fp_pages_per_split is not None:
+        fp_splits = -(-fp.table.shape[1] // fp_pages_per_split)
     acc, m, l = mod.paged_decode(
         cfg,
         qg,

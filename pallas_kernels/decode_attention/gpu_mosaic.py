@@ -563,11 +563,12 @@ def _kernel(
     def values_f8(slot, pv, alpha, pending, acc_ref):
         """e4m3 values: the step's weights ``p * s_v`` (at most 2^8) as e4m3 high parts and,
         with ``"e4m3x2"``, the e4m3 rounding of what the high part leaves (times
-        `_F8_LO_GAIN`; ~2^-10 relative RMS together), stored transposed; the value code planes read as e4m3 (``c * 2^-9``) are
-        the register A operand of K = 64 tokens, half the MMAs of float16 planes. Each step's
-        products go to a fresh MMA accumulator that the next step folds into the float32
-        one (``pending``) after its key MMAs, so the value MMAs still run under them and the
-        sum over a split never rests on the tensor cores' FP8 accumulation."""
+        `_F8_LO_GAIN`; ~2^-10 relative RMS together), stored transposed; the value code
+        planes read as e4m3 (``c * 2^-9``) are the register A operand of K = 64 tokens, half
+        the MMAs of float16 planes. Each step's products go to a fresh MMA accumulator that
+        the next step folds into the float32 one (``pending``) after its key MMAs, so the
+        value MMAs still run under them and the sum over a split never rests on the tensor
+        cores' FP8 accumulation."""
         w16 = pv.astype(jnp.float16)
         hi16 = w16.astype(jnp.float8_e4m3fn).astype(jnp.float16)  # exact in float16
         split = [hi16, (w16 - hi16) * jnp.float16(_F8_LO_GAIN)][:parts]

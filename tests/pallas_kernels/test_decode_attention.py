@@ -575,6 +575,28 @@ class TestDecodeAttentionMosaic:
         err = _rel_err(out[jnp.asarray(live)], ref[jnp.asarray(live)])
         assert err < TOL[case.fp_dtype], f"{case=} rel err {err:.2e}"
 
+    @pytest.mark.parametrize("per_split", [1, 2, 3])
+    def test_full_precision_split_sizes(self, per_split: int):
+        # fp_lens span 0 to 5 pages: splits past a sequence's pages are empty.
+        case = _OVERLAP_CASES[0]
+        if per_split == 3:
+            case = dataclasses.replace(case, fp_lens=(80, 0))
+        x = make_inputs(case, seed=5)
+        kw = dict(bits=case.bits, sm_scale=case.head_dim**-0.5, value_layout=case.value_layout)
+        ref = da.ref_decode_attention(**x, **kw)
+        out = da.decode_attention_variant(
+            **x, **kw, backend="gpu_mosaic", fp_pages_per_split=per_split
+        )
+        assert _rel_err(out, ref) < TOL[case.fp_dtype]
+
+
+def test_fp_pages_per_split_is_refused_where_the_pages_share_the_splits():
+    x = make_inputs(Case(), seed=5)
+    with pytest.raises(ValueError, match="fp_pages_per_split=2 needs a backend"):
+        da.decode_attention_variant(
+            **x, bits=2, sm_scale=0.1, backend="gpu", interpret=True, fp_pages_per_split=2
+        )
+
 
 _DIMS_CASES = [c for c in MOSAIC_CASES if c.value_layout == "dims"]
 
