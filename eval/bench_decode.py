@@ -143,11 +143,12 @@ def _time_jax(fn: Callable[[], jax.Array], cfg: BenchConfig) -> float:
 # dot per copy, which read faster than HBM can deliver), and a copy read twice in a row can
 # be served from L2. Copies are rotated so one round reads >= 3x the L2.
 # A jit over n copies costs ~100 us of Python dispatch (its ~10 n array arguments) that the
-# device waits through when n calls take less (run 90, H100, 1 x 64k: 5 copies, 61 us per call
-# of wall against 43.5 us of kernels): a jit holds at least _MIN_COPIES calls where memory
-# allows, so the rows measure the device as torch's CUDA-graph rows do.
+# device waits through when its n calls take less (run 90, H100, 1 x 64k: 5 copies, 61 us per
+# call of wall against 43.5 us of kernels). So a round also reads at least _ROUND_BYTES
+# (~0.25 ms at the ceiling; 16 copies at batch 1), and the rows measure the device as torch's
+# CUDA-graph rows do.
 _L2_BYTES = 60 << 20
-_MIN_COPIES = 16
+_ROUND_BYTES = 1 << 30
 _MAX_COPIES = 16
 _COPY_BUDGET_BYTES = 24 << 30  # device memory the input copies of one row may take
 _MIN_ROUNDS = 3  # dispatches per timed batch: the first one's host cost is not overlapped
@@ -155,9 +156,8 @@ _MIN_ROUNDS = 3  # dispatches per timed batch: the first one's host cost is not 
 
 def copies_for(nbytes: int) -> int:
     """Independent input copies per timed jit: enough that one round reads >= 3x the L2 and
-    holds at least `_MIN_COPIES` calls, at most `_MAX_COPIES` and `_COPY_BUDGET_BYTES` (at
-    least one)."""
-    want = max(_MIN_COPIES, -(-3 * _L2_BYTES // max(1, nbytes)))
+    `_ROUND_BYTES`, at most `_MAX_COPIES` and `_COPY_BUDGET_BYTES` (at least one)."""
+    want = -(-max(3 * _L2_BYTES, _ROUND_BYTES) // max(1, nbytes))
     return int(max(1, min(_MAX_COPIES, want, _COPY_BUDGET_BYTES // max(1, nbytes))))
 
 
