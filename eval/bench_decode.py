@@ -459,6 +459,13 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # The sink/recent pages' kernel in splits of 1 / 2 pages (default 4): at batch 1 its
     # programs walk their pages serially (run 90, H100: 7.0 us of a 43.5 us call at 1 x 64k).
     "int2_mosaic_vdims_fp1": _dims(2, fp_pages_per_split=1),
+    # Everything but the low-bit pages (their splits empty): the call's fixed cost and the
+    # sink/recent kernel.
+    "int2_mosaic_vdims_fp_segment_only": (
+        2,
+        _MOSAIC_DIMS,
+        dict(lowbit_page_size=128, lowbit_len=0),
+    ),
     "int2_mosaic_vdims_fp2": _dims(2, fp_pages_per_split=2),
     "int2_mosaic_vdims_splits_eighth": _dims(2, splits_factor=0.125),
     "int2_mosaic_vdims_splits_quarter": _dims(2, splits_factor=0.25),
