@@ -459,6 +459,10 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # The sink/recent pages' kernel in splits of 1 / 2 pages (default 4): at batch 1 its
     # programs walk their pages serially (run 90, H100: 7.0 us of a 43.5 us call at 1 x 64k).
     "int2_mosaic_vdims_fp1": _dims(2, fp_pages_per_split=1),
+    # The query operands from one Triton kernel (`gpu_mosaic.query_operands_s8`) instead of
+    # XLA's five small fusions (run 90: ~7 us at 1 x 64k); and with 1-page sink/recent splits.
+    "int2_mosaic_vdims_qtriton": _dims(2, prologue="triton"),
+    "int2_mosaic_vdims_qtriton_fp1": _dims(2, prologue="triton", fp_pages_per_split=1),
     # Everything but the low-bit pages (their splits empty): the call's fixed cost and the
     # sink/recent kernel.
     "int2_mosaic_vdims_fp_segment_only": (

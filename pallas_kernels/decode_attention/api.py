@@ -292,7 +292,7 @@ def decode_attention(
     )
 
 
-_VARIANT_STATIC = ("gather", "int_to_float", "row_sums", "fp_pages_per_split")
+_VARIANT_STATIC = ("gather", "int_to_float", "row_sums", "fp_pages_per_split", "prologue")
 
 
 @functools.partial(jax.jit, static_argnames=_LOWBIT_STATIC + _VARIANT_STATIC)
@@ -316,6 +316,7 @@ def decode_attention_variant(
     int_to_float: str | None = None,
     row_sums: str | None = None,
     fp_pages_per_split: int | None = None,
+    prologue: str | None = None,
 ) -> jax.Array:  # f32[B, Hq, d]
     """`decode_attention` with the inner-loop strategy chosen explicitly (benchmarks, tests).
 
@@ -326,6 +327,8 @@ def decode_attention_variant(
         ``INT_TO_FLOAT`` / ``ROW_SUMS``).
       fp_pages_per_split: full-precision pages per split of a backend that serves them with
         a kernel of their own (``FP_PAGES_PER_SPLIT`` of the module when ``None``).
+      prologue: how the body builds its query operands (the module's ``PROLOGUES``, default
+        its first).
       Others: as in `decode_attention`.
     """
     dims = _validate(q, fp, lowbit, transforms, bits=bits, value_layout=value_layout, bits_v=bits_v)
@@ -357,6 +360,10 @@ def decode_attention_variant(
     row_sums = mod.DEFAULT_ROW_SUMS if row_sums is None else row_sums
     if row_sums not in mod.ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r} must be one of {mod.ROW_SUMS} for {backend=}")
+    prologues = getattr(mod, "PROLOGUES", ("xla",))
+    prologue = prologues[0] if prologue is None else prologue
+    if prologue not in prologues:
+        raise ValueError(f"prologue={prologue!r} must be one of {prologues} for {backend=}")
     unit = 1 if backend == "tpu" else pages_per_block
     if num_splits is None:
         num_splits = lowbit_auto_splits(
@@ -383,6 +390,7 @@ def decode_attention_variant(
         row_sums=row_sums,
         group=g,
         value_layout=value_layout,
+        prologue=prologue,
     )
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)

@@ -77,6 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as plgpu_triton
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm
 
@@ -107,6 +108,9 @@ OVERLAPS = ("none", "values")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
+# How the split kernel's query operands are built (`query_operands`): "xla" ops, or "triton":
+# one Pallas Triton kernel for the 8-bit split and layout (s8 keys; XLA otherwise).
+PROLOGUES = ("xla", "triton")
 # int_to_float="s8" keeps key codes integers: signed 8-bit MMA operands, one shift and one mask
 # per four codes; the query split into high and low 8-bit parts, q ~ s_q (hi + lo / 254), side
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
@@ -272,17 +276,121 @@ def _planes_s8(codes: jax.Array, bits: int, dtype=jnp.int8) -> list[jax.Array]:
     return list(unpack(codes))
 
 
-def split_query_s8(qf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _round_half_up(x: jax.Array) -> jax.Array:
+    """Nearest integer, ties up (``jnp.round`` sends ties to even): Pallas Triton lowers no
+    round, and XLA folds the float32 magic-number form back to ``x``."""
+    return jnp.floor(x + 0.5)
+
+
+def split_query_s8(
+    qf: jax.Array, round_fn=jnp.round
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(hi, lo int8, s_q f32[..., 1], sum f32[...]) of f32 queries ``[..., d]``:
     ``q ~ s_q (hi + lo / 254)`` per query row, and the sum of that reconstruction (what the
     zero-point term must cancel against)."""
     sq = jnp.max(jnp.abs(qf), axis=-1, keepdims=True) / 127.0
     sq = jnp.where(sq > 0, sq, 1.0)
     u = qf / sq
-    hi = jnp.round(u)
-    lo = jnp.clip(jnp.round((u - hi) * _LO), -127, 127)
+    hi = round_fn(u)
+    lo = jnp.clip(round_fn((u - hi) * _LO), -127, 127)
     total = sq[..., 0] * (hi.sum(-1) + lo.sum(-1) / _LO)
     return hi.astype(jnp.int8), lo.astype(jnp.int8), sq, total
+
+
+def query_operands(
+    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries
+    *,
+    group: int,
+    scale_log2: float,
+    n_pad: int,
+    streams: int,
+    key_operand: str = "s8",
+) -> tuple[jax.Array, jax.Array]:
+    """The split kernel's query operands in XLA ops: ``qs``, the query times ``scale_log2``
+    once per token stream in that stream's MMA columns (s8 keys: int8[B, Hkv, streams, 2N, d],
+    high parts in rows ``t N/streams + g``, low parts N rows further; float16 keys:
+    f16[B, Hkv, streams, N, d]), and ``qmeta`` f32[B, Hkv, 32] (s8 keys: each column's query
+    scale, then its reconstruction's sum; zeros otherwise)."""
+    b, hkv, _, d = qg.shape
+    gcol = n_pad // streams
+    eye = jnp.eye(streams, dtype=jnp.float32)
+    qmeta = jnp.zeros((b, hkv, _COPY_WORDS), jnp.float32)
+    if key_operand == "s8":
+        hi, lo, sq, total = split_query_s8(qg[:, :, :group] * scale_log2)
+        parts = jnp.stack([hi, lo], axis=2).astype(jnp.float32)  # [B, Hkv, 2, group, d]
+        parts = jnp.pad(parts, ((0, 0), (0, 0), (0, 0), (0, gcol - group), (0, 0)))
+        qs = jnp.einsum("bhjgd,tu->bhtjugd", parts, eye).astype(jnp.int8)
+        qs = qs.reshape(b, hkv, streams, 2 * n_pad, d)
+        cols = [
+            jnp.tile(jnp.pad(v, ((0, 0), (0, 0), (0, gcol - group))), streams)
+            for v in (sq[..., 0], total)
+        ]  # [B, Hkv, N] each
+        qmeta = qmeta.at[..., : 2 * n_pad].set(jnp.concatenate(cols, axis=-1))
+    else:
+        qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
+        qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gcol - group), (0, 0)))
+        qs = jnp.einsum("bhgd,tu->bhtugd", qs, eye.astype(qs.dtype))
+        qs = qs.reshape(b, hkv, streams, n_pad, d)
+    return qs, qmeta
+
+
+def _query_operands_kernel(x_ref, qs_ref, qmeta_ref, *, group, scale_log2, n_pad, streams):
+    """One (sequence, KV head): `query_operands`' s8 rows and metadata, each output row split
+    from the query row that feeds it (a row-indexed load), in the twin's operations."""
+    gcol = n_pad // streams
+    rows = qs_ref.shape[0]  # streams * 2N: stream t's block, high parts then low parts
+    r = jnp.arange(rows, dtype=jnp.int32)
+    i = r % (2 * n_pad)
+    g = i % n_pad - (r // (2 * n_pad)) * gcol
+    valid = (g >= 0) & (g < group)
+    hi, lo, _, _ = split_query_s8(x_ref[jnp.where(valid, g, 0)] * scale_log2, _round_half_up)
+    qs_ref[...] = jnp.where(valid[:, None], jnp.where((i < n_pad)[:, None], hi, lo), 0)
+    # Word c < N: column c's scale; word N + c: its reconstruction's sum; zeros after 2N.
+    w = jnp.arange(qmeta_ref.shape[0], dtype=jnp.int32)
+    g = jnp.where(w < n_pad, w, w - n_pad) % gcol
+    valid = (w < 2 * n_pad) & (g < group)
+    rows = x_ref[jnp.where(valid, g, 0)] * scale_log2
+    _, _, sq, total = split_query_s8(rows, _round_half_up)
+    qmeta_ref[...] = jnp.where(valid, jnp.where(w < n_pad, sq[:, 0], total), 0.0)
+
+
+def query_operands_s8(
+    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries
+    *,
+    group: int,
+    scale_log2: float,
+    n_pad: int,
+    streams: int,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """`query_operands` (s8 keys) as one Pallas Triton kernel, one program per (sequence, KV
+    head): at batch 1 XLA spends five small kernels on it (run 90: ~7 us of a 43.5 us call at
+    1 x 64k)."""
+    b, hkv, gp, d = qg.shape
+    rows = streams * 2 * n_pad
+    if gp & (gp - 1) or rows & (rows - 1) or group > n_pad // streams:
+        raise ValueError(f"Gp={gp} and streams*2N={rows} must be powers of two, {group=} <= N")
+    kernel = functools.partial(
+        _query_operands_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
+        streams=streams,
+    )  # fmt: skip
+    qs, qmeta = pl.pallas_call(
+        kernel,
+        grid=(b, hkv),
+        in_specs=[pl.BlockSpec((None, None, gp, d), lambda bi, h: (bi, h, 0, 0))],
+        out_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda bi, h: (bi, h, 0, 0)),
+            pl.BlockSpec((None, None, _COPY_WORDS), lambda bi, h: (bi, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.int8),
+            jax.ShapeDtypeStruct((b, hkv, _COPY_WORDS), jnp.float32),
+        ],
+        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="paged_decode_query_operands",
+    )(qg)
+    return qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
@@ -681,6 +789,7 @@ def lowbit_partials(
     n_pad: int | None = None,
     streams: int | None = None,
     columns: bool = False,
+    prologue: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -697,6 +806,8 @@ def lowbit_partials(
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
     column ``t * N / streams + g``.
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
+    ``prologue``: `PROLOGUES` (how the query operands are built: XLA ops, or with s8 keys the
+    `query_operands_s8` kernel).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -730,6 +841,8 @@ def lowbit_partials(
         raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue={prologue!r} must be one of {PROLOGUES}")
     key_operand = "s8" if int_to_float.startswith("s8") else "f16"
     # Value codes become e4m3 operands where they are dimension-major (a register operand).
     value_operand = "f16"
@@ -739,29 +852,15 @@ def lowbit_partials(
         raise ValueError(f"stage={stage!r} is a float16-value attribution row; {int_to_float=}")
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
-    # The query as float16, as the MMAs read it (its planes are column blocks, copied apart),
-    # once per stream in that stream's columns: [B, Hkv, streams, N, d].
-    gcol = n_pad // streams
-    eye = jnp.eye(streams, dtype=jnp.float32)
-    qmeta = jnp.zeros((b, hkv, _COPY_WORDS), jnp.float32)
-    if key_operand == "s8":
-        # [B, Hkv, streams, 2N, d]: stream t's high parts in rows t N/streams + g, its low
-        # parts N rows further; per column its scale and the sum of its reconstruction.
-        hi, lo, sq, total = split_query_s8(qg[:, :, :group] * scale_log2)
-        parts = jnp.stack([hi, lo], axis=2).astype(jnp.float32)  # [B, Hkv, 2, group, d]
-        parts = jnp.pad(parts, ((0, 0), (0, 0), (0, 0), (0, gcol - group), (0, 0)))
-        qs = jnp.einsum("bhjgd,tu->bhtjugd", parts, eye).astype(jnp.int8)
-        qs = qs.reshape(b, hkv, streams, 2 * n_pad, d)
-        cols = [
-            jnp.tile(jnp.pad(v, ((0, 0), (0, 0), (0, gcol - group))), streams)
-            for v in (sq[..., 0], total)
-        ]  # [B, Hkv, N] each
-        qmeta = qmeta.at[..., : 2 * n_pad].set(jnp.concatenate(cols, axis=-1))
+    if prologue == "triton" and key_operand == "s8":
+        qs, qmeta = query_operands_s8(
+            qg, group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams
+        )
     else:
-        qs = (qg[:, :, :group] * scale_log2).astype(jnp.float16)
-        qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gcol - group), (0, 0)))
-        qs = jnp.einsum("bhgd,tu->bhtugd", qs, eye.astype(qs.dtype))
-        qs = qs.reshape(b, hkv, streams, n_pad, d)
+        qs, qmeta = query_operands(
+            qg, group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams,
+            key_operand=key_operand,
+        )  # fmt: skip
     # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
     tab_ext = _split_rows(tab, lens, page, pps)
     metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
@@ -1132,6 +1231,7 @@ def paged_decode(
         code_copy=cfg.gather,
         int_to_float=cfg.int_to_float,
         columns=True,
+        prologue=cfg.prologue,
     )
     # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout
     # measured 30 us at 1 x 64k (run 53) against ~5 us for this transpose plus the row merge.

@@ -77,6 +77,8 @@ class DecodeConfig:
       bits_v: value code width when it differs from the keys' (a layer of a bit allocation
         with its own K and V widths); ``None`` = ``bits``. The query is split into the key
         planes' chunks (`key_chunks`), the output into the value planes' (`n_chunks`).
+      prologue: how a body builds its query operands (Mosaic GPU: ``"xla"`` ops or one
+        ``"triton"`` kernel, `gpu_mosaic.PROLOGUES`; the other bodies take ``"xla"``).
     """
 
     head_dim: int
@@ -95,6 +97,7 @@ class DecodeConfig:
     group: int | None = None
     value_layout: str = "tokens"
     bits_v: int | None = None
+    prologue: str = "xla"
 
     @property
     def value_bits(self) -> int | None:

@@ -788,6 +788,7 @@ def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
         dict(streams=2),
         dict(int_to_float="s8_e4m3x2"),
         dict(int_to_float="s8_e4m3", overlap="none"),
+        dict(prologue="triton"),
     ],  # fmt: skip
     ids=str,
 )
@@ -1132,3 +1133,43 @@ def test_gpu_merge_kernel_merges_a_second_set(split_at: int):
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got)[1, 1, 2] == 0)
+
+
+@pytest.mark.parametrize(
+    "d, group, n_pad, streams", [(128, 4, 8, 2), (64, 3, 8, 1), (256, 9, 16, 1), (128, 8, 8, 1)],
+    ids=str,
+)
+def test_mosaic_query_prologue_kernel_matches_its_xla_twin(d, group, n_pad, streams):
+    """The s8 query operands from one Pallas Triton kernel (interpret mode) match XLA's: the
+    8-bit parts within one code (XLA may fuse the division and scaling into other roundings;
+    a low part's code is 2^-16 of the row's maximum), scales and reconstruction sums to 1e-6;
+    padding rows, other streams' rows and the words past 2N zero as in the twin."""
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    b, hkv, gp = 2, 2, 16
+    qg = jax.random.normal(jax.random.key(6), (b, hkv, gp, d)).at[:, :, group:].set(jnp.nan)
+    qg = qg.at[0, 0, 1].set(0.0)  # a query row of zeros
+    kw = dict(group=group, scale_log2=0.3, n_pad=n_pad, streams=streams)
+    qs, qmeta = gm.query_operands_s8(qg, **kw, interpret=True)
+    qs_want, qmeta_want = gm.query_operands(qg, **kw)
+    assert qs.shape == qs_want.shape and qs.dtype == jnp.int8
+    diff = np.abs(np.asarray(qs, np.int32) - np.asarray(qs_want, np.int32))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+    unused = np.all(np.asarray(qs_want) == 0, axis=-1)
+    assert unused.any() and np.all(np.asarray(qs)[unused] == 0)
+    qm, qm_want = np.asarray(qmeta), np.asarray(qmeta_want)
+    np.testing.assert_allclose(qm[..., :n_pad], qm_want[..., :n_pad], rtol=1e-6, atol=0)
+    assert np.all(qm[..., 2 * n_pad :] == 0)
+    # Each column's sum is its own codes' reconstruction (what the zero-point term cancels).
+    q8 = np.asarray(qs, np.float64)[:, :, 0]  # stream 0: high rows [0, N), low rows [N, 2N)
+    hi, lo = q8[:, :, :group].sum(-1), q8[:, :, n_pad : n_pad + group].sum(-1)
+    own = qm[..., :group] * (hi + lo / 254)
+    np.testing.assert_allclose(qm[..., n_pad : n_pad + group], own, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(qm, qm_want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="streams"):
+        gm.query_operands_s8(qg, group=group, scale_log2=0.3, n_pad=8, streams=3)
+
+
+@pytest.mark.parametrize("case", _OVERLAP_CASES[:2], ids=str)
+def test_mosaic_query_prologue_kernel_gives_the_xla_prologue_s_partials(case: Case):
+    _check_schedule(case, dict(prologue="triton"), dict(prologue="xla"), run=True)
