@@ -151,7 +151,7 @@ _L2_BYTES = 60 << 20
 _ROUND_BYTES = 1 << 30
 _MAX_COPIES = 16
 _COPY_BUDGET_BYTES = 24 << 30  # device memory the input copies of one row may take
-_MIN_ROUNDS = 3  # dispatches per timed batch: the first one's host cost is not overlapped
+_MIN_ROUNDS = 10  # dispatches per timed batch: the first one's host cost is not overlapped
 
 
 def copies_for(nbytes: int) -> int:
