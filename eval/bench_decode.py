@@ -455,14 +455,9 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # The unpack in jnp ops (before run 48's inline PTX, `gpu_mosaic._planes_asm`).
     "int2_mosaic_vdims_exponent": _dims(2, int_to_float="exponent"),
     "int4_mosaic_vdims_exponent": _dims(4, int_to_float="exponent"),
-    # Split count of the dims body (splits_factor x the automatic choice).
-    # The sink/recent pages' kernel in splits of 1 / 2 pages (default 4): at batch 1 its
-    # programs walk their pages serially (run 90, H100: 7.0 us of a 43.5 us call at 1 x 64k).
-    "int2_mosaic_vdims_fp1": _dims(2, fp_pages_per_split=1),
-    # The query operands from one Triton kernel (`gpu_mosaic.query_operands_s8`) instead of
-    # XLA's five small fusions (run 90: ~7 us at 1 x 64k); and with 1-page sink/recent splits.
-    "int2_mosaic_vdims_qtriton": _dims(2, prologue="triton"),
-    "int2_mosaic_vdims_qtriton_fp1": _dims(2, prologue="triton", fp_pages_per_split=1),
+    # Before runs 91-92: the query operands from XLA's fusions, sink/recent splits of 4 pages.
+    "int2_mosaic_vdims_qxla_fp4": _dims(2, prologue="xla", fp_pages_per_split=4),
+    "int2_mosaic_vdims_fp4": _dims(2, fp_pages_per_split=4),
     # Everything but the low-bit pages (their splits empty): the call's fixed cost and the
     # sink/recent kernel.
     "int2_mosaic_vdims_fp_segment_only": (
@@ -470,7 +465,7 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
         _MOSAIC_DIMS,
         dict(lowbit_page_size=128, lowbit_len=0),
     ),
-    "int2_mosaic_vdims_fp2": _dims(2, fp_pages_per_split=2),
+    # Split count of the dims body (splits_factor x the automatic choice).
     "int2_mosaic_vdims_splits_eighth": _dims(2, splits_factor=0.125),
     "int2_mosaic_vdims_splits_quarter": _dims(2, splits_factor=0.25),
     "int2_mosaic_vdims_splits_half": _dims(2, splits_factor=0.5),

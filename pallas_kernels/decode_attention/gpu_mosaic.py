@@ -108,9 +108,10 @@ OVERLAPS = ("none", "values")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
-# How the split kernel's query operands are built (`query_operands`): "xla" ops, or "triton":
-# one Pallas Triton kernel for the 8-bit split and layout (s8 keys; XLA otherwise).
-PROLOGUES = ("xla", "triton")
+# How the split kernel's query operands are built (`query_operands`), the first the default:
+# "triton", one Pallas Triton kernel for the 8-bit split and layout (s8 keys; XLA otherwise;
+# runs 91-92, H100: -3 to -5 us per batch-1 call), or "xla" ops (five small fusions).
+PROLOGUES = ("triton", "xla")
 # int_to_float="s8" keeps key codes integers: signed 8-bit MMA operands, one shift and one mask
 # per four codes; the query split into high and low 8-bit parts, q ~ s_q (hi + lo / 254), side
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
@@ -789,7 +790,7 @@ def lowbit_partials(
     n_pad: int | None = None,
     streams: int | None = None,
     columns: bool = False,
-    prologue: str = "xla",
+    prologue: str = PROLOGUES[0],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -1165,8 +1166,9 @@ def rows_of_columns(
 # ------------------------------------------------------------------------------------------
 MIN_GROUP_PAD = GROUP_PAD
 # The sink/recent pages (a few hundred tokens) go to their own kernel in splits of this many
-# pages: at batch 1 one program per head walking them all is a serial chain the call waits for.
-FP_PAGES_PER_SPLIT = 4
+# pages: at batch 1 a program walking several is a serial chain the call waits for (run 92,
+# H100, 1 x 64k: that kernel 6.8 us with 4 pages per split, 3.9 with 1).
+FP_PAGES_PER_SPLIT = 1
 # Splits per sequence and head group at most. Below batch 4 the program target alone gives
 # 64-128 splits of a few pages each, and the per-split start-up and the partials' transpose and
 # merge outweigh the parallelism: run 87 (H100) measured 32 splits best at 1 x 32k, 64k and
