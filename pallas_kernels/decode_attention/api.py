@@ -90,6 +90,17 @@ def lowbit_auto_splits(
     return splits if cap is None else min(splits, cap)
 
 
+def fp_auto_pages_per_split(batch: int, hkv: int, fp_pages: int, backend: str) -> int | None:
+    """Full-precision pages per split of a backend with a kernel of its own for them (``None``
+    where they share the low-bit splits): its ``FP_PAGES_PER_SPLIT`` at most, fewer while the
+    kernel would have under ``FP_TARGET_PROGRAMS`` programs (batch 1: one page each)."""
+    mod = _backend_module(backend)
+    if mod.FP_PAGES_PER_SPLIT is None:
+        return None
+    per = batch * hkv * fp_pages // mod.FP_TARGET_PROGRAMS
+    return int(max(1, min(mod.FP_PAGES_PER_SPLIT, per)))
+
+
 def _merge_partials(
     acc: jax.Array,  # f32[B, Hkv, S, R, d] unnormalised partial outputs (R: Gp or the group)
     m: jax.Array,  # f32[B, Hkv, S, R] running max, base-2 units
@@ -401,7 +412,9 @@ def decode_attention_variant(
     # them) are split FP_PAGES_PER_SPLIT pages at a time.
     fp_splits = num_splits
     if fp_pages_per_split is None:
-        fp_pages_per_split = mod.FP_PAGES_PER_SPLIT
+        fp_pages_per_split = fp_auto_pages_per_split(
+            dims["b"], dims["hkv"], fp.table.shape[1], backend
+        )
     elif mod.FP_PAGES_PER_SPLIT is None or fp_pages_per_split < 1:
         raise ValueError(
             f"fp_pages_per_split={fp_pages_per_split} needs a backend with a full-precision "

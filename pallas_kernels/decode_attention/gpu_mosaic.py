@@ -1165,10 +1165,13 @@ def rows_of_columns(
 # pages by the kernel above, and the Triton merge kernel combines both sets of partials.
 # ------------------------------------------------------------------------------------------
 MIN_GROUP_PAD = GROUP_PAD
-# The sink/recent pages (a few hundred tokens) go to their own kernel in splits of this many
-# pages: at batch 1 a program walking several is a serial chain the call waits for (run 92,
-# H100, 1 x 64k: that kernel 6.8 us with 4 pages per split, 3.9 with 1).
-FP_PAGES_PER_SPLIT = 1
+# The sink/recent pages (a few hundred tokens) go to their own kernel in splits of at most this
+# many pages, fewer where the kernel would have under FP_TARGET_PROGRAMS programs: at batch 1
+# a program walking several pages is a serial chain the call waits for (run 91, H100, 1 x 64k:
+# that kernel 6.8 us with 4 pages per split, 3.9 with 1), while with many rows each split's
+# partial is bytes written and merged (a 1-page split writes as much as it reads).
+FP_PAGES_PER_SPLIT = 4
+FP_TARGET_PROGRAMS = 1024
 # Splits per sequence and head group at most. Below batch 4 the program target alone gives
 # 64-128 splits of a few pages each, and the per-split start-up and the partials' transpose and
 # merge outweigh the parallelism: run 87 (H100) measured 32 splits best at 1 x 32k, 64k and

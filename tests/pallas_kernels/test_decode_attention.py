@@ -590,6 +590,14 @@ class TestDecodeAttentionMosaic:
         assert _rel_err(out, ref) < TOL[case.fp_dtype]
 
 
+@pytest.mark.parametrize(
+    "batch, pages, want", [(1, 21, 1), (8, 21, 1), (16, 21, 2), (64, 34, 4), (64, 2, 1)]
+)
+def test_fp_pages_per_split_fill_the_gpu_then_grow(batch, pages, want):
+    assert da.fp_auto_pages_per_split(batch, 8, pages, "gpu_mosaic") == want
+    assert da.fp_auto_pages_per_split(batch, 8, pages, "gpu") is None
+
+
 def test_fp_pages_per_split_is_refused_where_the_pages_share_the_splits():
     x = make_inputs(Case(), seed=5)
     with pytest.raises(ValueError, match="fp_pages_per_split=2 needs a backend"):
