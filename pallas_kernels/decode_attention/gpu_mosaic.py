@@ -369,8 +369,11 @@ def query_operands_s8(
     1 x 64k)."""
     b, hkv, gp, d = qg.shape
     rows = streams * 2 * n_pad
-    if gp & (gp - 1) or rows & (rows - 1) or group > n_pad // streams:
-        raise ValueError(f"Gp={gp} and streams*2N={rows} must be powers of two, {group=} <= N")
+    if rows & (rows - 1) or group > min(gp, n_pad // streams):
+        raise ValueError(f"streams*2N={rows} must be a power of two and {group=} <= Gp, N")
+    if gp & (gp - 1):  # Triton blocks are powers of two; rows past `group` are never read
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, (1 << (gp - 1).bit_length()) - gp), (0, 0)))
+        gp = qg.shape[2]
     kernel = functools.partial(
         _query_operands_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
         streams=streams,
