@@ -337,7 +337,7 @@ def decode_attention_variant(
         backend module; the modes a backend supports are its ``GATHER_MODES`` /
         ``INT_TO_FLOAT`` / ``ROW_SUMS``).
       fp_pages_per_split: full-precision pages per split of a backend that serves them with
-        a kernel of their own (``FP_PAGES_PER_SPLIT`` of the module when ``None``).
+        a kernel of their own (`fp_auto_pages_per_split` when ``None``).
       prologue: how the body builds its query operands (the module's ``PROLOGUES``, default
         its first).
       Others: as in `decode_attention`.
@@ -371,10 +371,9 @@ def decode_attention_variant(
     row_sums = mod.DEFAULT_ROW_SUMS if row_sums is None else row_sums
     if row_sums not in mod.ROW_SUMS:
         raise ValueError(f"row_sums={row_sums!r} must be one of {mod.ROW_SUMS} for {backend=}")
-    prologues = getattr(mod, "PROLOGUES", ("xla",))
-    prologue = prologues[0] if prologue is None else prologue
-    if prologue not in prologues:
-        raise ValueError(f"prologue={prologue!r} must be one of {prologues} for {backend=}")
+    prologue = mod.PROLOGUES[0] if prologue is None else prologue
+    if prologue not in mod.PROLOGUES:
+        raise ValueError(f"prologue={prologue!r} must be one of {mod.PROLOGUES} for {backend=}")
     unit = 1 if backend == "tpu" else pages_per_block
     if num_splits is None:
         num_splits = lowbit_auto_splits(
@@ -409,7 +408,7 @@ def decode_attention_variant(
     if hoist and qt is not None:
         qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
     # The full-precision pages share the low-bit splits, or (a backend with its own kernel for
-    # them) are split FP_PAGES_PER_SPLIT pages at a time.
+    # them) are split `fp_auto_pages_per_split` pages at a time.
     fp_splits = num_splits
     if fp_pages_per_split is None:
         fp_pages_per_split = fp_auto_pages_per_split(

@@ -76,6 +76,7 @@ MIXED_FP_PAGES_PER_BLOCK = 1
 DEFAULT_INT_TO_FLOAT = "asm"
 ROW_SUMS = ("deferred",)
 DEFAULT_ROW_SUMS = "deferred"
+PROLOGUES = ("xla",)  # the query operands in XLA ops (`DecodeConfig.prologue`)
 
 
 def _f16_bits(x: float) -> int:

@@ -37,6 +37,7 @@ WIDE_PAGES_PER_BLOCK = 1  # (4-bit widths: the same)
 DEFAULT_INT_TO_FLOAT = "convert"
 ROW_SUMS = ("per_step",)
 DEFAULT_ROW_SUMS = "per_step"
+PROLOGUES = ("xla",)  # the query operands in XLA ops (`DecodeConfig.prologue`)
 
 
 def _kernel(
