@@ -161,6 +161,19 @@ def copies_for(nbytes: int) -> int:
     return int(max(1, min(_MAX_COPIES, want, _COPY_BUDGET_BYTES // max(1, nbytes))))
 
 
+def unrolled_calls(call: Callable[[dict, jax.Array], jax.Array]) -> Callable:
+    """One jit of ``call(cache, q)`` over lists of caches and queries, call ``i`` reading
+    ``caches[i]`` and ``queries[i]`` only; ``call`` is a nested jit, so the kernel is lowered
+    once however many calls the jit holds (16 Mosaic lowerings took 13.5 s on a CPU)."""
+    one = jax.jit(call)
+
+    @jax.jit
+    def many(caches, queries):
+        return tuple(one(c, q) for c, q in zip(caches, queries))
+
+    return many
+
+
 def _time_unrolled(
     call: Callable[[dict, jax.Array], jax.Array],
     caches: list[dict],
@@ -169,10 +182,10 @@ def _time_unrolled(
 ) -> float:
     """Median seconds per call of ``call(cache, q)``.
 
-    One jit holds ``len(caches)`` calls, call ``i`` reading ``caches[i]`` and ``queries[i]``
-    only (no operand shared between calls, so XLA cannot merge them); it is dispatched
-    back to back enough times for ``calls_per_repeat`` calls per timed batch, with one sync
-    per batch (host dispatch overlaps the device work).
+    One jit holds ``len(caches)`` calls (`unrolled_calls`: no operand shared between calls,
+    so XLA cannot merge them); it is dispatched back to back at least `_MIN_ROUNDS` times and
+    enough for ``calls_per_repeat`` calls per timed batch, with one sync per batch (host
+    dispatch overlaps the device work after the first).
     """
     n = len(caches)
     if len(queries) < n:
@@ -180,12 +193,7 @@ def _time_unrolled(
     queries = queries[:n]
     rounds = max(_MIN_ROUNDS, -(-cfg.calls_per_repeat // n))
 
-    one = jax.jit(call)  # lowered once however many calls the jit holds (Mosaic: ~0.5 s each)
-
-    @jax.jit
-    def many(caches, queries):
-        return tuple(one(c, q) for c, q in zip(caches, queries))
-
+    many = unrolled_calls(call)
     jax.block_until_ready(many(caches, queries))  # compile + warm up
     jax.block_until_ready(many(caches, queries))
     times = []

@@ -73,11 +73,9 @@ def timeline(out_dir: str, point: str, name: str) -> dict:
     sm = cfg.head_dim**-0.5
     n = len(caches)
 
-    one = jax.jit(lambda c, q: da.decode_attention_variant(q=q, **c, bits=bits, sm_scale=sm, **kw))
-
-    @jax.jit
-    def many(caches, queries):
-        return tuple(one(c, q) for c, q in zip(caches, queries))
+    many = bd.unrolled_calls(
+        lambda c, q: da.decode_attention_variant(q=q, **c, bits=bits, sm_scale=sm, **kw)
+    )
 
     for _ in range(3):
         jax.block_until_ready(many(caches, qs))
