@@ -96,6 +96,9 @@ class RetrievalConfig:
     methods: tuple[str, ...] = cli.option(common.ALL_METHODS, "transforms to evaluate")
     bits: int = cli.option(2, "code width (2, 3, 4)")
     quantizer: str = cli.option("oscar", "oscar, quest or minmax")
+    group_size: int | None = cli.option(
+        None, "channels per scale/zero of the low-bit pages (none: the whole head)"
+    )
     windows: tuple[int, int, int] = cli.option(
         (64, 256, 16), "cache windows", metavar=("SINK", "KEEP", "FLUSH")
     )
@@ -129,6 +132,7 @@ class RetrievalConfig:
             raise ValueError(f"bits={self.bits}; supported 2, 3, 4")
         if self.quantizer not in ("oscar", "quest", "minmax"):
             raise ValueError(f"quantizer={self.quantizer!r}; use oscar, quest or minmax")
+        QuantConfig(method=self.quantizer, bits=self.bits, group_size=self.group_size)
         bad_tasks = [t for t in self.tasks if t not in TASKS]
         if bad_tasks or not self.tasks:
             raise ValueError(f"tasks={self.tasks}: need at least one of {', '.join(TASKS)}")
@@ -375,6 +379,8 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
         return merge_runs(cfg.merge, cfg.out)
     text = assets.load_text(cfg.data) if cfg.data else None  # a bad file fails before the model
     lm = lm or load_model(cfg.model)
+    quant = QuantConfig(method=cfg.quantizer, bits=cfg.bits, group_size=cfg.group_size)
+    quant.resolve_group_size(lm.cfg.head_dim)  # a group that does not divide head_dim fails here
     t0 = time.perf_counter()
     lengths = resolve_lengths(cfg, lm.cfg.max_position_embeddings)
     text = assets.evaluation_text() if text is None else text
@@ -403,7 +409,7 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
                 keep=keep,
                 flush=flush,
                 page_size=cfg.page_size,
-                quant=QuantConfig(method=cfg.quantizer, bits=cfg.bits),
+                quant=quant,
                 max_seq_len=length,
             )
             batch = max(1, cfg.batch_tokens // length)
@@ -494,7 +500,9 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
             )
             + f"), filler {cfg.data or 'the evaluation plays'}; greedy exact match. Cells: "
             f"accuracy % ± binomial SE (change vs full precision in points ± its SE, paired "
-            f"over trials). Quantized rows: {cfg.bits}-bit {cfg.quantizer} cache, windows "
+            f"over trials). Quantized rows: {cfg.bits}-bit {cfg.quantizer} cache"
+            f"{'' if cfg.group_size is None else f' ({cfg.group_size} channels per scale/zero)'}"
+            f", windows "
             f"{'/'.join(map(str, cfg.windows))}, prefill {cfg.chunk} tokens per call, answer "
             f"decoded token by token.\n"
         )

@@ -279,6 +279,25 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     assert "| wush 4-bit | " in (tmp_path / "m" / "retrieval.md").read_text()
 
 
+def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
+    lm, calib_dir, monkeypatch, tmp_path
+):
+    seen = []
+
+    def record(scorer, ids, a0, ccfg, tf, chunk, batch):
+        seen.append(None if ccfg is None else ccfg.quant.group_size)
+        return np.ones(len(ids), bool), np.ones(len(ids))
+
+    monkeypatch.setattr(retrieval, "score_trials", record)
+    kw = dict(calib_dir=str(calib_dir), methods=("wush",), lengths=(256,), trials=1)
+    kw.update(tasks=("passkey",), windows=(16, 64, 16), out=str(tmp_path))
+    with pytest.raises(ValueError, match=f"head_dim={CFG.head_dim} is not divisible by group_size=7"):
+        retrieval.main(retrieval.RetrievalConfig(group_size=7, **kw), lm)
+    assert seen == [] and not (tmp_path / "retrieval.json").exists()  # nothing scored
+    retrieval.main(retrieval.RetrievalConfig(group_size=CFG.head_dim // 2, **kw), lm)
+    assert seen == [None, CFG.head_dim // 2]  # full precision, then the low-bit cache
+
+
 def test_retrieval_batching_does_not_change_the_answers(lm, calib_dir):
     filler = np.arange(5000, dtype=np.int32) % CFG.vocab_size
     ids, a0, _ = retrieval.make_trials(lm.tokenizer, filler, 512, (0.2, 0.5, 0.9), 3, 0, "niah", 3)
@@ -424,6 +443,7 @@ def test_retrieval_cli_rejects_bad_input_before_loading(tmp_path, monkeypatch, c
     monkeypatch.setattr(retrieval, "load_model", no_model)
     for argv, needle in [
         (["--trials", "0"], "trials=0"),
+        (["--group-size", "0"], "group_size=0"),
         (["--tasks", "nope"], "invalid choice: 'nope'"),
         (["--data", str(tmp_path / "missing.txt")], "missing.txt"),
     ]:
