@@ -291,7 +291,8 @@ def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
     monkeypatch.setattr(retrieval, "score_trials", record)
     kw = dict(calib_dir=str(calib_dir), methods=("wush",), lengths=(256,), trials=1)
     kw.update(tasks=("passkey",), windows=(16, 64, 16), out=str(tmp_path))
-    with pytest.raises(ValueError, match=f"head_dim={CFG.head_dim} is not divisible by group_size=7"):
+    bad = f"head_dim={CFG.head_dim} is not divisible by group_size=7"
+    with pytest.raises(ValueError, match=bad):
         retrieval.main(retrieval.RetrievalConfig(group_size=7, **kw), lm)
     assert seen == [] and not (tmp_path / "retrieval.json").exists()  # nothing scored
     retrieval.main(retrieval.RetrievalConfig(group_size=CFG.head_dim // 2, **kw), lm)
