@@ -332,6 +332,7 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     rows, seen = [], set()
     for r in (r for p in payloads for r in p["rows"]):
         key = (r["task"], r["transform"], r["length"], r["quantizer"], r["bits"], r["windows"])
+        key += (r.get("group_size"),)
         if key not in seen:  # a setting measured twice (full precision in every run): the first
             seen.add(key)
             rows.append(r)
@@ -430,6 +431,7 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
                         transform=name,
                         quantizer=None if fp else cfg.quantizer,
                         bits=None if fp else cfg.bits,
+                        group_size=None if fp else cfg.group_size,
                         windows=None if fp else win,
                         length=int(length),
                         metric=f"{task}_accuracy",
@@ -478,10 +480,16 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
     for task in dict.fromkeys(r["task"] for r in rows):
         tr = [r for r in rows if r["task"] == task]
         lengths = sorted(dict.fromkeys(r["length"] for r in tr))
-        # Rows at another width than the table's (joined runs) are named with it.
-        label = lambda r: (  # noqa: E731
-            r["transform"] if r["bits"] in (None, cfg.bits) else f"{r['transform']} {r['bits']}-bit"
-        )
+
+        # Rows at another width or group size than the table's (joined runs) are named with it.
+        def label(r: dict) -> str:
+            name = r["transform"]
+            if r["bits"] not in (None, cfg.bits):
+                name += f" {r['bits']}-bit"
+            if r["bits"] is not None and r.get("group_size") != cfg.group_size:
+                name += f" ({r.get('group_size') or 'whole-head'} channels per scale)"
+            return name
+
         names = list(dict.fromkeys(label(r) for r in tr))
         by = {(label(r), r["length"]): r for r in tr}
         n = tr[0]["trials"]

@@ -277,6 +277,11 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     (tmp_path / "four.json").write_text(json.dumps(dict(payload, rows=four)))
     retrieval.merge_runs([both[0], str(tmp_path / "four.json")], str(tmp_path / "m"))
     assert "| wush 4-bit | " in (tmp_path / "m" / "retrieval.md").read_text()
+    grouped = [dict(r, group_size=8) for r in rows if r["transform"] == "wush"]
+    (tmp_path / "grouped.json").write_text(json.dumps(dict(payload, rows=grouped)))
+    merged = retrieval.merge_runs([*both, str(tmp_path / "grouped.json")], str(tmp_path / "m"))
+    assert len(merged["rows"]) == len(rows) + len(grouped)  # another setting, not a repeat
+    assert "| wush (8 channels per scale) | " in (tmp_path / "m" / "retrieval.md").read_text()
 
 
 def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
