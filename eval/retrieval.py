@@ -330,7 +330,14 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     fields = {f.name: f for f in dataclasses.fields(RetrievalConfig)}
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
     rows, seen = [], set()
-    for r in (r for p in payloads for r in p["rows"]):
+    # Rows written before they carried their group size take their run's setting.
+    runs = [
+        r if "group_size" in r or r["bits"] is None
+        else dict(r, group_size=p["config"].get("group_size"))
+        for p in payloads
+        for r in p["rows"]
+    ]  # fmt: skip
+    for r in runs:
         key = (r["task"], r["transform"], r["length"], r["quantizer"], r["bits"], r["windows"])
         key += (r.get("group_size"),)
         if key not in seen:  # a setting measured twice (full precision in every run): the first

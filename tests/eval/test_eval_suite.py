@@ -282,6 +282,13 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     merged = retrieval.merge_runs([*both, str(tmp_path / "grouped.json")], str(tmp_path / "m"))
     assert len(merged["rows"]) == len(rows) + len(grouped)  # another setting, not a repeat
     assert "| wush (8 channels per scale) | " in (tmp_path / "m" / "retrieval.md").read_text()
+    # A run whose rows predate the field: its config's group size names them.
+    legacy = [{k: v for k, v in r.items() if k != "group_size"} for r in grouped]
+    conf = dict(payload["config"], group_size=8)
+    (tmp_path / "legacy.json").write_text(json.dumps(dict(payload, config=conf, rows=legacy)))
+    merged = retrieval.merge_runs([*both, str(tmp_path / "legacy.json")], str(tmp_path / "m"))
+    assert len(merged["rows"]) == len(rows) + len(grouped)
+    assert "| wush (8 channels per scale) | " in (tmp_path / "m" / "retrieval.md").read_text()
 
 
 def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
