@@ -95,6 +95,9 @@ class RetrievalConfig:
     calib_dir: str = cli.option("runs/calib", "the --out folder of python -m kvjax.calibrate")
     methods: tuple[str, ...] = cli.option(common.ALL_METHODS, "transforms to evaluate")
     bits: int = cli.option(2, "code width (2, 3, 4)")
+    value_bits: int | None = cli.option(
+        None, "the values' code width when it differs from the keys' (--bits)"
+    )
     quantizer: str = cli.option("oscar", "oscar, quest or minmax")
     group_size: int | None = cli.option(
         None, "channels per scale/zero of the low-bit pages (none: the whole head)"
@@ -130,6 +133,8 @@ class RetrievalConfig:
         common.check_methods(self.methods)
         if self.bits not in (2, 3, 4):
             raise ValueError(f"bits={self.bits}; supported 2, 3, 4")
+        if self.value_bits not in (None, 2, 3, 4):
+            raise ValueError(f"value_bits={self.value_bits}; supported 2, 3, 4")
         if self.quantizer not in ("oscar", "quest", "minmax"):
             raise ValueError(f"quantizer={self.quantizer!r}; use oscar, quest or minmax")
         QuantConfig(method=self.quantizer, bits=self.bits, group_size=self.group_size)
@@ -339,7 +344,7 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     ]  # fmt: skip
     for r in runs:
         key = (r["task"], r["transform"], r["length"], r["quantizer"], r["bits"], r["windows"])
-        key += (r.get("group_size"),)
+        key += (r.get("group_size"), r.get("value_bits", r["bits"]))
         if key not in seen:  # a setting measured twice (full precision in every run): the first
             seen.add(key)
             rows.append(r)
@@ -388,6 +393,8 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
     text = assets.load_text(cfg.data) if cfg.data else None  # a bad file fails before the model
     lm = lm or load_model(cfg.model)
     quant = QuantConfig(method=cfg.quantizer, bits=cfg.bits, group_size=cfg.group_size)
+    vbits = cfg.bits if cfg.value_bits is None else cfg.value_bits
+    quant_v = dataclasses.replace(quant, bits=vbits)
     quant.resolve_group_size(lm.cfg.head_dim)  # a group that does not divide head_dim fails here
     t0 = time.perf_counter()
     lengths = resolve_lengths(cfg, lm.cfg.max_position_embeddings)
@@ -404,7 +411,11 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
     }
     settings: list[tuple[str, object]] = [(common.FULL_PRECISION, None)]
     for m in cfg.methods:
-        settings.append((m, common.load_method(cfg.calib_dir, m, cfg.bits, lm.cfg, lm.fingerprint)))
+        tf = common.load_method(cfg.calib_dir, m, cfg.bits, lm.cfg, lm.fingerprint)
+        if vbits != cfg.bits:  # the values' clips are those calibrated for their own width
+            tf_v = common.load_method(cfg.calib_dir, m, vbits, lm.cfg, lm.fingerprint)
+            tf = dataclasses.replace(tf, clip_v=tf_v.clip_v)
+        settings.append((m, tf))
     scorer = common.TokenScorer(lm.model)
     sink, keep, flush = cfg.windows
     win = f"{sink}/{keep}/{flush}"
@@ -418,6 +429,7 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
                 flush=flush,
                 page_size=cfg.page_size,
                 quant=quant,
+                quant_v=quant_v,
                 max_seq_len=length,
             )
             batch = max(1, cfg.batch_tokens // length)
@@ -438,6 +450,7 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
                         transform=name,
                         quantizer=None if fp else cfg.quantizer,
                         bits=None if fp else cfg.bits,
+                        value_bits=None if fp else vbits,
                         group_size=None if fp else cfg.group_size,
                         windows=None if fp else win,
                         length=int(length),
@@ -491,8 +504,9 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
         # Rows at another width or group size than the table's (joined runs) are named with it.
         def label(r: dict) -> str:
             name = r["transform"]
-            if r["bits"] not in (None, cfg.bits):
-                name += f" {r['bits']}-bit"
+            vbits = r.get("value_bits", r["bits"])
+            if (r["bits"], vbits) != (cfg.bits, cfg.value_bits or cfg.bits) and r["bits"]:
+                name += f" {r['bits']}-bit" if vbits == r["bits"] else f" {r['bits']}k{vbits}v"
             if r["bits"] is not None and r.get("group_size") != cfg.group_size:
                 name += f" ({r.get('group_size') or 'whole-head'} channels per scale)"
             return name
@@ -515,7 +529,9 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
             )
             + f"), filler {cfg.data or 'the evaluation plays'}; greedy exact match. Cells: "
             f"accuracy % ± binomial SE (change vs full precision in points ± its SE, paired "
-            f"over trials). Quantized rows: {cfg.bits}-bit {cfg.quantizer} cache"
+            f"over trials). Quantized rows: {cfg.bits}-bit "
+            + ("" if cfg.value_bits in (None, cfg.bits) else f"keys, {cfg.value_bits}-bit values, ")
+            + f"{cfg.quantizer} cache"
             f"{'' if cfg.group_size is None else f' ({cfg.group_size} channels per scale/zero)'}"
             f", windows "
             f"{'/'.join(map(str, cfg.windows))}, prefill {cfg.chunk} tokens per call, answer "

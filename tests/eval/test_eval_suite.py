@@ -273,7 +273,7 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     assert len(merged["rows"]) == len(rows) + len(longer)
     assert "| identity | " in (tmp_path / "m" / "retrieval.md").read_text()
     assert " | - |" in (tmp_path / "m" / "retrieval.md").read_text()
-    four = [dict(r, bits=4) for r in rows if r["transform"] == "wush"]
+    four = [dict(r, bits=4, value_bits=4) for r in rows if r["transform"] == "wush"]
     (tmp_path / "four.json").write_text(json.dumps(dict(payload, rows=four)))
     retrieval.merge_runs([both[0], str(tmp_path / "four.json")], str(tmp_path / "m"))
     assert "| wush 4-bit | " in (tmp_path / "m" / "retrieval.md").read_text()
@@ -309,6 +309,21 @@ def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
     assert seen == [] and not (tmp_path / "retrieval.json").exists()  # nothing scored
     retrieval.main(retrieval.RetrievalConfig(group_size=CFG.head_dim // 2, **kw), lm)
     assert seen == [None, CFG.head_dim // 2]  # full precision, then the low-bit cache
+    # 2-bit keys with 4-bit values: each side's width and clips reach the cache.
+    seen.clear()
+    monkeypatch.setattr(
+        retrieval,
+        "score_trials",
+        lambda scorer, ids, a0, ccfg, tf, *a: (
+            seen.append(ccfg and (ccfg.quant.bits, ccfg.quant_v.bits, float(tf.clip_k[0]),
+                                  float(tf.clip_v[0]))),
+            (np.ones(len(ids), bool), np.ones(len(ids))),
+        )[1],
+    )  # fmt: skip
+    payload = retrieval.main(retrieval.RetrievalConfig(bits=2, value_bits=4, **kw), lm)
+    assert seen == [None, (2, 4, pytest.approx(0.93), pytest.approx(0.86))]
+    assert [r["value_bits"] for r in payload["rows"]] == [None, 4]
+    assert "2-bit keys, 4-bit values" in (tmp_path / "retrieval.md").read_text()
 
 
 def test_retrieval_batching_does_not_change_the_answers(lm, calib_dir):
@@ -457,6 +472,7 @@ def test_retrieval_cli_rejects_bad_input_before_loading(tmp_path, monkeypatch, c
     for argv, needle in [
         (["--trials", "0"], "trials=0"),
         (["--group-size", "0"], "group_size=0"),
+        (["--value-bits", "5"], "value_bits=5"),
         (["--tasks", "nope"], "invalid choice: 'nope'"),
         (["--data", str(tmp_path / "missing.txt")], "missing.txt"),
     ]:
