@@ -504,10 +504,12 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
         # Rows at another width or group size than the table's (joined runs) are named with it.
         def label(r: dict) -> str:
             name = r["transform"]
+            if r["bits"] is None:  # full precision
+                return name
             vbits = r.get("value_bits", r["bits"])
-            if (r["bits"], vbits) != (cfg.bits, cfg.value_bits or cfg.bits) and r["bits"]:
+            if (r["bits"], vbits) != (cfg.bits, cfg.value_bits or cfg.bits):
                 name += f" {r['bits']}-bit" if vbits == r["bits"] else f" {r['bits']}k{vbits}v"
-            if r["bits"] is not None and r.get("group_size") != cfg.group_size:
+            if r.get("group_size") != cfg.group_size:
                 name += f" ({r.get('group_size') or 'whole-head'} channels per scale)"
             return name
 
@@ -520,6 +522,12 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
             else f"Multi-key needle in a haystack: {cfg.needles} word -> {cfg.key_digits}-digit "
             f"number needles, one asked for"
         )
+        cache = f"{cfg.bits}-bit"
+        if cfg.value_bits not in (None, cfg.bits):
+            cache += f" keys, {cfg.value_bits}-bit values,"
+        cache += f" {cfg.quantizer} cache"
+        if cfg.group_size is not None:
+            cache += f" ({cfg.group_size} channels per scale/zero)"
         head = (
             f"{what}, {n} trials per cell (asked needle at depths "
             + (
@@ -529,11 +537,7 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
             )
             + f"), filler {cfg.data or 'the evaluation plays'}; greedy exact match. Cells: "
             f"accuracy % ± binomial SE (change vs full precision in points ± its SE, paired "
-            f"over trials). Quantized rows: {cfg.bits}-bit "
-            + ("" if cfg.value_bits in (None, cfg.bits) else f"keys, {cfg.value_bits}-bit values, ")
-            + f"{cfg.quantizer} cache"
-            f"{'' if cfg.group_size is None else f' ({cfg.group_size} channels per scale/zero)'}"
-            f", windows "
+            f"over trials). Quantized rows: {cache}, windows "
             f"{'/'.join(map(str, cfg.windows))}, prefill {cfg.chunk} tokens per call, answer "
             f"decoded token by token.\n"
         )
