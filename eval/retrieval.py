@@ -137,7 +137,7 @@ class RetrievalConfig:
             raise ValueError(f"value_bits={self.value_bits}; supported 2, 3, 4")
         if self.quantizer not in ("oscar", "quest", "minmax"):
             raise ValueError(f"quantizer={self.quantizer!r}; use oscar, quest or minmax")
-        QuantConfig(method=self.quantizer, bits=self.bits, group_size=self.group_size)
+        self.quant_configs()  # a bad group size fails here
         bad_tasks = [t for t in self.tasks if t not in TASKS]
         if bad_tasks or not self.tasks:
             raise ValueError(f"tasks={self.tasks}: need at least one of {', '.join(TASKS)}")
@@ -154,6 +154,15 @@ class RetrievalConfig:
         for name in ("trials", "batch_tokens", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def value_width(self) -> int:
+        return self.bits if self.value_bits is None else self.value_bits
+
+    def quant_configs(self) -> tuple[QuantConfig, QuantConfig]:
+        """The low-bit pages' key and value quantizers."""
+        quant = QuantConfig(method=self.quantizer, bits=self.bits, group_size=self.group_size)
+        return quant, dataclasses.replace(quant, bits=self.value_width)
 
     def trial_depths(self) -> list[float]:
         """Depth of the asked needle in each trial."""
@@ -335,16 +344,20 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     fields = {f.name: f for f in dataclasses.fields(RetrievalConfig)}
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
     rows, seen = [], set()
-    # Rows written before they carried their group size take their run's setting.
+    # Rows written before they carried their value width and group size take their run's.
     runs = [
-        r if "group_size" in r or r["bits"] is None
-        else dict(r, group_size=p["config"].get("group_size"))
+        r if r["bits"] is None
+        else dict(
+            r,
+            value_bits=r.get("value_bits", r["bits"]),
+            group_size=r.get("group_size", p["config"].get("group_size")),
+        )
         for p in payloads
         for r in p["rows"]
     ]  # fmt: skip
     for r in runs:
         key = (r["task"], r["transform"], r["length"], r["quantizer"], r["bits"], r["windows"])
-        key += (r.get("group_size"), r.get("value_bits", r["bits"]))
+        key += (r.get("value_bits"), r.get("group_size"))
         if key not in seen:  # a setting measured twice (full precision in every run): the first
             seen.add(key)
             rows.append(r)
@@ -392,9 +405,8 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
         return merge_runs(cfg.merge, cfg.out)
     text = assets.load_text(cfg.data) if cfg.data else None  # a bad file fails before the model
     lm = lm or load_model(cfg.model)
-    quant = QuantConfig(method=cfg.quantizer, bits=cfg.bits, group_size=cfg.group_size)
-    vbits = cfg.bits if cfg.value_bits is None else cfg.value_bits
-    quant_v = dataclasses.replace(quant, bits=vbits)
+    quant, quant_v = cfg.quant_configs()
+    vbits = cfg.value_width
     quant.resolve_group_size(lm.cfg.head_dim)  # a group that does not divide head_dim fails here
     t0 = time.perf_counter()
     lengths = resolve_lengths(cfg, lm.cfg.max_position_embeddings)
@@ -506,11 +518,11 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
             name = r["transform"]
             if r["bits"] is None:  # full precision
                 return name
-            vbits = r.get("value_bits", r["bits"])
-            if (r["bits"], vbits) != (cfg.bits, cfg.value_bits or cfg.bits):
-                name += f" {r['bits']}-bit" if vbits == r["bits"] else f" {r['bits']}k{vbits}v"
-            if r.get("group_size") != cfg.group_size:
-                name += f" ({r.get('group_size') or 'whole-head'} channels per scale)"
+            bits, vbits = r["bits"], r["value_bits"]
+            if (bits, vbits) != (cfg.bits, cfg.value_width):
+                name += f" {bits}-bit" if vbits == bits else f" {bits}k{vbits}v"
+            if r["group_size"] != cfg.group_size:
+                name += f" ({r['group_size'] or 'whole-head'} channels per scale)"
             return name
 
         names = list(dict.fromkeys(label(r) for r in tr))
@@ -523,7 +535,7 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
             f"number needles, one asked for"
         )
         cache = f"{cfg.bits}-bit"
-        if cfg.value_bits not in (None, cfg.bits):
+        if cfg.value_width != cfg.bits:
             cache += f" keys, {cfg.value_bits}-bit values,"
         cache += f" {cfg.quantizer} cache"
         if cfg.group_size is not None:
