@@ -84,6 +84,12 @@ class CalibrateConfig:
         "head", "one transform per KV head or per layer", choices=("head", "layer")
     )
     gamma: float = cli.option(1e-2, "WUSH damping")
+    center_keys: bool = cli.option(
+        False,
+        "subtract each (layer, KV head)'s mean key (after RoPE) before the transform, in "
+        "calibration and in the cache (one extra forward pass over the calibration windows; "
+        "the softmax is unchanged)",
+    )
     seed: int = cli.option(0, "seed of the random transforms")
     holdout: int = cli.option(2, "held-out calibration windows for clips and the closing table")
     data_parallel: int = cli.option(1, "local devices to shard each batch over (sums of stats)")
@@ -212,17 +218,18 @@ def _o_proj_torch(m, layer: int) -> jax.Array:
 
 
 def make_stats_step(lm: LoadedModel, names: frozenset[str]):
-    """jit(params, stats, tokens) -> stats: one batch through the model, observer accumulates."""
+    """jit(params, stats, tokens, key_mean) -> stats: one batch through the model, observer
+    accumulates; keys less `key_mean` (f32[L, Hkv, d], or None) as the cache will store them."""
     graphdef, _ = nnx.split(lm.model)
     needs_wo = bool({"H_K", "H_V"} & names)
 
-    def step(params, stats, tokens):
+    def step(params, stats, tokens, key_mean):
         m = nnx.merge(graphdef, params)
         m.set_observer(
             lambda l, q, k, v, o: update_stats(
                 stats[l],
                 q,
-                k,
+                _centred(k, key_mean, l),
                 v,
                 o,
                 w_o=_o_proj_torch(m, l) if needs_wo else None,
@@ -235,6 +242,30 @@ def make_stats_step(lm: LoadedModel, names: frozenset[str]):
     return jax.jit(step, donate_argnums=(1,))
 
 
+def _centred(k: jax.Array, key_mean: jax.Array | None, layer: int) -> jax.Array:
+    return k if key_mean is None else k.astype(jnp.float32) - key_mean[layer]
+
+
+def key_means(lm: LoadedModel, windows: np.ndarray, batch_size: int) -> np.ndarray:
+    """The mean key after RoPE per layer and KV head over `windows`: f32[L, Hkv, d].
+
+    Its own pass, before the statistics: the Grams must be of centred keys, and subtracting
+    mu mu^T from float32 sums of keys with a large shared offset would cancel most digits."""
+    graphdef, params = nnx.split(lm.model)
+
+    @jax.jit
+    def run(params, tokens):
+        m = nnx.merge(graphdef, params)
+        m.set_observer(lambda l, q, k, v, o: jnp.sum(k.astype(jnp.float32), axis=(0, 1)))
+        m(tokens)
+        return jnp.stack(capture_observed(m))  # [L, Hkv, d]
+
+    total = np.zeros((lm.cfg.num_layers, lm.cfg.num_kv_heads, lm.cfg.head_dim), np.float64)
+    for i in range(0, len(windows), batch_size):
+        total += np.asarray(run(params, jnp.asarray(windows[i : i + batch_size])), np.float64)
+    return (total / windows.size).astype(np.float32)
+
+
 def collect_statistics(
     lm: LoadedModel,
     windows: np.ndarray,  # i32[N, T]
@@ -245,8 +276,11 @@ def collect_statistics(
     progress: bool = True,
     data_parallel: int = 1,
     fresh: bool = False,
+    key_mean: np.ndarray | None = None,
 ) -> tuple[list[dict], float]:
     """Per-layer statistic sums over all windows; resumes from `resume_file` when it matches.
+
+    With `key_mean` (f32[L, Hkv, d]) the statistics see every key less its head's mean.
 
     A `resume_file` made with another key (other text, tokenizer, model or settings) is never
     mixed in, nor overwritten unless ``fresh``: that raises `cli.UsageError` before any work.
@@ -275,6 +309,7 @@ def collect_statistics(
         print(f"resuming from {resume_file}: {start} batches already done", file=sys.stderr)
     _, params = nnx.split(lm.model)
     step = make_stats_step(lm, names)
+    km = None if key_mean is None else jnp.asarray(key_mean, jnp.float32)
     mesh = None
     if data_parallel > 1:
         if batch_size % data_parallel:
@@ -299,7 +334,7 @@ def collect_statistics(
         if mesh is not None:
             batch = _check_divisible(batch, data_parallel)
             batch = jax.device_put(batch, sharding.logical_sharding(mesh, "batch", None))
-        stats = step(params, stats, batch)
+        stats = step(params, stats, batch, km)
         jax.block_until_ready(stats)
         if t0 is None:  # first batch includes compilation; time the rest
             t0 = time.perf_counter()
@@ -330,18 +365,22 @@ def _save_resume(path: pathlib.Path, stats: list[dict], batches_done: int, key: 
     os.replace(tmp, path)
 
 
-def capture_activations(lm: LoadedModel, windows: np.ndarray) -> list[tuple[np.ndarray, ...]]:
-    """Per layer (q, k, v) of `windows` (the held-out set), as float32 numpy."""
+def capture_activations(
+    lm: LoadedModel, windows: np.ndarray, key_mean: np.ndarray | None = None
+) -> list[tuple[np.ndarray, ...]]:
+    """Per layer (q, k, v) of `windows` (the held-out set), as float32 numpy; the keys less
+    `key_mean` when given (what the clips and errors then see is what the cache stores)."""
     graphdef, params = nnx.split(lm.model)
+    km = None if key_mean is None else jnp.asarray(key_mean, jnp.float32)
 
     @jax.jit
-    def run(params, tokens):
+    def run(params, tokens, km):
         m = nnx.merge(graphdef, params)
-        m.set_observer(lambda l, q, k, v, o: (q, k, v))
+        m.set_observer(lambda l, q, k, v, o: (q, _centred(k, km, l), v))
         m(tokens)
         return capture_observed(m)
 
-    out = run(params, jnp.asarray(windows))
+    out = run(params, jnp.asarray(windows), km)
     return [tuple(np.asarray(x) for x in layer) for layer in out]
 
 
@@ -369,7 +408,9 @@ def build_method(
     ]
 
 
-def to_kv_transforms(pairs: list[TransformPair], clip_k, clip_v) -> KVTransforms:
+def to_kv_transforms(
+    pairs: list[TransformPair], clip_k, clip_v, key_mean: np.ndarray | None = None
+) -> KVTransforms:
     f = lambda name: jnp.asarray(np.stack([getattr(p, name) for p in pairs]), jnp.float32)  # noqa
     return KVTransforms(
         f("A_K"),
@@ -378,6 +419,7 @@ def to_kv_transforms(pairs: list[TransformPair], clip_k, clip_v) -> KVTransforms
         f("B_V"),
         jnp.asarray(clip_k, jnp.float32),
         jnp.asarray(clip_v, jnp.float32),
+        key_mean=None if key_mean is None else jnp.asarray(key_mean, jnp.float32),
     )
 
 
@@ -469,7 +511,13 @@ def bit_errors(acts, pairs, clips_by_bits, w_o, cfg: CalibrateConfig, sm_scale) 
 
 
 def objective_errors(
-    cfg: CalibrateConfig, lm: LoadedModel, held: np.ndarray, pairs, clips_by_bits, attention: dict
+    cfg: CalibrateConfig,
+    lm: LoadedModel,
+    held: np.ndarray,
+    pairs,
+    clips_by_bits,
+    attention: dict,
+    key_mean: np.ndarray | None = None,
 ) -> tuple[dict, dict]:
     """The errors `cfg.allocation_objective` allocates from (format name -> f64[L, 2]) and a
     record of how they were measured, from `attention` (`bit_errors`) and, for the kl
@@ -485,7 +533,7 @@ def objective_errors(
     low = [i for i, b in enumerate(allocation.lowbit_layers(lm.cfg)) if b]  # others: no forward
     kl = sensitivity.kl_bit_errors(
         lm, windows, pairs, clips_by_bits, measure, cfg.alloc_kl_windows, cfg.group_size,
-        cfg.progress, layers=low,
+        cfg.progress, layers=low, key_mean=key_mean,
     )  # fmt: skip
     info = dict(
         objective=obj,
@@ -593,8 +641,13 @@ def main(cfg: CalibrateConfig) -> dict:
         batch_size=cfg.batch_size,
         data_parallel=cfg.data_parallel,
         stats=sorted(names),
+        center_keys=cfg.center_keys,
     )
     out.mkdir(parents=True, exist_ok=True)
+    key_mean = None
+    if cfg.center_keys:
+        _phase("mean keys (--center-keys)")
+        key_mean = key_means(lm, cal, cfg.batch_size)
     stats, rate = collect_statistics(
         lm,
         cal,
@@ -605,11 +658,12 @@ def main(cfg: CalibrateConfig) -> dict:
         cfg.progress,
         cfg.data_parallel,
         cfg.fresh,
+        key_mean,
     )
     final = [finalize_stats(s) for s in stats]
     # Clip choice and the closing table score attention over T x T probabilities; the first
     # HOLDOUT_TOKENS positions of each held-out window keep that affordable at long seq_len.
-    acts = capture_activations(lm, held[:, :HOLDOUT_TOKENS])
+    acts = capture_activations(lm, held[:, :HOLDOUT_TOKENS], key_mean)
     w_o = [np.asarray(_o_proj_torch(lm.model, i)) for i in range(lm.cfg.num_layers)]
     c_q = [f["C_Q"] for f in final]
 
@@ -651,7 +705,7 @@ def main(cfg: CalibrateConfig) -> dict:
         if method in methods and cfg.bpe_budget is not None:
             _phase(f"bit allocation: {method} at {cfg.bpe_budget} bits per element")
             attn = bit_errors(acts, pairs, clips_by_bits, w_o, cfg, sm)
-            errs, how = objective_errors(cfg, lm, held, pairs, clips_by_bits, attn)
+            errs, how = objective_errors(cfg, lm, held, pairs, clips_by_bits, attn, key_mean)
             # Layers without low-bit pages (Gemma 3's sliding layers) are outside the budget.
             lowbit = allocation.lowbit_layers(lm.cfg)
             how = dict(how, lowbit_layers=[i for i, b in enumerate(lowbit) if b])
@@ -680,10 +734,11 @@ def main(cfg: CalibrateConfig) -> dict:
             )
         if method in methods:
             primary = cfg.bits[0]
-            tf = to_kv_transforms(pairs, *clips_by_bits[primary])
+            tf = to_kv_transforms(pairs, *clips_by_bits[primary], key_mean)
             meta = dict(
                 method=method,
                 gamma=cfg.gamma,
+                center_keys=cfg.center_keys,
                 share=cfg.share,
                 seed=cfg.seed,
                 group_size=cfg.group_size,

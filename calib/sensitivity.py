@@ -71,6 +71,7 @@ class SingleCacheQuant:
     windows: CacheConfig = flax.struct.field(pytree_node=False)
     sm_scale: float = flax.struct.field(pytree_node=False)
     layer_windows: tuple[int | None, ...] = flax.struct.field(pytree_node=False, default=())
+    key_mean: jax.Array | None = None  # f32[L, Hkv, d] (centred keys) or None
 
     def attend(self, layer, q, k, v, positions):
         window = self.layer_windows[layer] if self.layer_windows else None
@@ -85,10 +86,11 @@ class SingleCacheQuant:
 
             # Only the target cache is read back from low-bit storage (one roundtrip, not two).
             def keys_low(k, v):
+                mu = 0.0 if self.key_mean is None else self.key_mean[layer]
                 kq = errors.roundtrip(
-                    k, self.a_k[layer], self.b_k[layer], self.qc, self.clip_k[layer]
+                    k - mu, self.a_k[layer], self.b_k[layer], self.qc, self.clip_k[layer]
                 )
-                return kq, v
+                return kq + mu, v
 
             def values_low(k, v):
                 vq = errors.roundtrip(
@@ -134,6 +136,7 @@ def kl_bit_errors(
     group_size: int | None = None,
     progress: bool = True,
     layers: Sequence[int] | None = None,
+    key_mean: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:  # format name -> f64[L, 2] mean KL (nats per token)
     """Mean KL(p_fp || p_q) per (layer, K/V) with only that cache in each format.
 
@@ -147,6 +150,7 @@ def kl_bit_errors(
       group_size: channels per scale/zero.
       layers: the layers to measure (None: all); the others (layers that hold no low-bit
         pages, `calib.allocation.lowbit_layers`) get 0 without a forward.
+      key_mean: f32[L, Hkv, d] mean keys subtracted before the key transform (centred keys).
 
     Raises:
       ValueError: the windows are too short for any position to read a low-bit token.
@@ -168,6 +172,7 @@ def kl_bit_errors(
         for name in ("A_K", "B_K", "A_V", "B_V")
     )
     layer_windows = tuple(lm.cfg.layer_windows)
+    km = None if key_mean is None else jnp.asarray(key_mean, jnp.float32)
 
     @jax.jit
     def reference(params, tokens):
@@ -199,7 +204,7 @@ def kl_bit_errors(
                     jnp.asarray(ck, jnp.float32), jnp.asarray(cv, jnp.float32),
                     jnp.asarray(s, jnp.int32), jnp.zeros((x.shape[0],), jnp.int32),
                     qc=qc, windows=wcfg, sm_scale=lm.cfg.attention_scale,
-                    layer_windows=layer_windows,
+                    layer_windows=layer_windows, key_mean=km,
                 )  # fmt: skip
                 vals.append(float(run(params, x, ref, cache)))
             e[s // 2, s % 2] = max(float(np.mean(vals)), 0.0)

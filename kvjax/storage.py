@@ -4,7 +4,8 @@ A transforms checkpoint is a directory:
 
     metadata.json   format version, method and hyper-parameters, model fingerprint and config,
                     tokens used, data description, kvjax version, sha256 of every array
-    arrays/         orbax checkpoint of {a_k, b_k, a_v, b_v, clip_k, clip_v}
+    arrays/         orbax checkpoint of {a_k, b_k, a_v, b_v, clip_k, clip_v}, plus key_mean
+                    when the keys are centred (`kvjax.cache.transforms`; absent: not centred)
     extras.npz      optional named arrays kept with the transforms (the drift check's
                     calibration moments, `kvjax.serving.drift`), digests in the metadata
 
@@ -38,6 +39,7 @@ from kvjax.serving.drift import DriftReference
 FORMAT_VERSION = 1
 KVJAX_VERSION = "0.1.0"
 _ARRAYS = ("a_k", "b_k", "a_v", "b_v", "clip_k", "clip_v")
+_OPTIONAL = ("key_mean",)  # stored only when set; checkpoints without it load as None
 
 
 class TransformsCheckpointError(ValueError):
@@ -65,7 +67,11 @@ def save_transforms(
     path = pathlib.Path(path).absolute()  # orbax refuses relative paths
     if "model_fingerprint" not in metadata:
         raise ValueError("metadata must include 'model_fingerprint'")
-    arrays = {k: np.asarray(getattr(tf, k), np.float32) for k in _ARRAYS}
+    arrays = {
+        k: np.asarray(getattr(tf, k), np.float32)
+        for k in _ARRAYS + _OPTIONAL
+        if getattr(tf, k) is not None
+    }
     for k, a in arrays.items():
         if not np.all(np.isfinite(a)):
             raise ValueError(f"refusing to save non-finite transform array {k}")
@@ -189,7 +195,7 @@ def load_transforms(
         raise TransformsCheckpointError(
             f"{path}: cannot read arrays ({type(e).__name__}: {e})"
         ) from e
-    for k in _ARRAYS:
+    for k in _ARRAYS + tuple(k for k in _OPTIONAL if k in meta["shapes"]):
         if k not in arrays:
             raise TransformsCheckpointError(f"{path}: array {k} is missing")
         a = np.asarray(arrays[k], np.float32)
@@ -198,7 +204,14 @@ def load_transforms(
                 f"{path}: array {k} does not match its recorded shape/digest (corrupt or "
                 f"truncated checkpoint)"
             )
-    tf = KVTransforms(*(jnp.asarray(np.asarray(arrays[k], np.float32)) for k in _ARRAYS))
+    tf = KVTransforms(
+        *(jnp.asarray(np.asarray(arrays[k], np.float32)) for k in _ARRAYS),
+        **{
+            k: jnp.asarray(np.asarray(arrays[k], np.float32))
+            for k in _OPTIONAL
+            if k in meta["shapes"]
+        },
+    )
     if cfg is not None:
         try:
             tf.check_matches(cfg)

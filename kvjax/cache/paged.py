@@ -416,7 +416,15 @@ class PagedKVCache:
                 k_low, v_low = pools.k_low, pools.v_low
                 sets = [(flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
                 if t > 1:
-                    sets.append((plan.new_low_dst, k, v, tf.a_k[layer], tf.a_v[layer]))
+                    sets.append(
+                        (
+                            plan.new_low_dst,
+                            tf.centred_keys(layer, k),
+                            v,
+                            tf.a_k[layer],
+                            tf.a_v[layer],
+                        )
+                    )
                 for dst, xk, xv, ak, av in sets:
                     k_low = _store_low_kernel(k_low, dst, xk, ak, pol.quant, tf.clip_k[layer])
                     v_low = _store_low_kernel(v_low, dst, xv, av, pol.quant_v, tf.clip_v[layer])

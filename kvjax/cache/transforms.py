@@ -5,6 +5,12 @@ back as Q(x A) B. For keys the query moves into the stored frame once, `q B^T`, 
 `(q B^T) . Q(k A)`. For values the output `(sum_s p_s Q(v_s A)) B` applies B once per head, or
 B is folded into W_O and A into W_V (`fold_value_transforms`).
 
+Keys may also be centred: stored as Q((k - mu) A) with mu a fixed per-(layer, KV head) mean
+key (after RoPE) from calibration. Every key of a head moves by the same vector, so each query's
+logits all move by the same q . mu and the softmax is unchanged: the kernels and the queries need
+nothing. A model whose keys share a large offset (Gemma 3's global layers) otherwise spends the
+per-token quantizer's range on that offset.
+
 The math that *makes* these matrices lives in `calib/`; a deployment only needs this pytree.
 """
 
@@ -29,6 +35,7 @@ class KVTransforms:
       a_v, b_v: f32[L, Hkv, d, d] value transform and its inverse.
       clip_k, clip_v: f32[L] quantizer clip parameter per layer (oscar: percentile kappa).
       values_folded: A_V / B_V already folded into W_V / W_O; the cache then leaves values as is.
+      key_mean: f32[L, Hkv, d] key offset subtracted before A_K (None: keys not centred).
     """
 
     a_k: jax.Array
@@ -38,6 +45,7 @@ class KVTransforms:
     clip_k: jax.Array
     clip_v: jax.Array
     values_folded: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    key_mean: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
@@ -71,11 +79,21 @@ class KVTransforms:
                 raise ValueError(
                     f"{name} has shape {getattr(self, name).shape}, want ({cfg.num_layers},)"
                 )
+        if self.key_mean is not None and tuple(self.key_mean.shape) != want[:3]:
+            raise ValueError(
+                f"key_mean has shape {tuple(self.key_mean.shape)}, but the model needs "
+                f"{want[:3]} (layers, kv_heads, head_dim)"
+            )
 
     # ---- moving activations between the model frame and the stored frame ----------------
+    def centred_keys(self, layer: int, k: jax.Array) -> jax.Array:
+        """k - mu per KV head (k itself when keys are not centred): f32[B, T, Hkv, d]."""
+        k = k.astype(jnp.float32)
+        return k if self.key_mean is None else k - self.key_mean[layer].astype(jnp.float32)
+
     def keys_to_stored(self, layer: int, k: jax.Array) -> jax.Array:
-        """k A_K per KV head: f[B, T, Hkv, d] -> f32[B, T, Hkv, d]."""
-        return jnp.einsum("BTKH,KHJ->BTKJ", k.astype(jnp.float32), self.a_k[layer])
+        """(k - mu) A_K per KV head: f[B, T, Hkv, d] -> f32[B, T, Hkv, d]."""
+        return jnp.einsum("BTKH,KHJ->BTKJ", self.centred_keys(layer, k), self.a_k[layer])
 
     def values_to_stored(self, layer: int, v: jax.Array) -> jax.Array:
         """v A_V per KV head: f[B, T, Hkv, d] -> f32[B, T, Hkv, d]."""

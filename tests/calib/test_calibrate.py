@@ -292,3 +292,31 @@ def test_relative_out_path_works(tiny_dir, text_file, tmp_path, monkeypatch):
     cal.main(_cfg(tiny_dir, text_file, "runs/calib", methods=("wush",), bits=(2,), tokens=256))
     tf, meta = load_transforms("runs/calib/wush")
     assert meta["method"] == "wush"
+
+
+def test_center_keys_stores_the_mean_and_centres_the_statistics(tiny_dir, text_file, tmp_path):
+    """--center-keys: the checkpoint holds each head's mean key over the calibration windows,
+    and the statistics (here the key Gram) are of the keys less that mean."""
+    cfg = _cfg(tiny_dir, text_file, tmp_path, methods=("kv_pca",), bits=(2,), tokens=512)
+    cal.main(dataclasses.replace(cfg, center_keys=True))
+    tf, meta = load_transforms(tmp_path / "kv_pca")
+    assert meta["center_keys"] is True
+    lm = cal.load_model(str(tiny_dir))
+    text = text_file.read_text()
+    windows = cal.token_windows(text, lm.tokenizer, 128, 512 // 128 + 1, "test")
+    calib_windows, _ = cal.split_holdout(windows, 1)
+    acts = cal.capture_activations(lm, calib_windows)
+    keys = np.stack([k for _, k, _ in acts]).astype(np.float64)  # [L, B, T, Hkv, d]
+    mean = keys.mean(axis=(1, 2))
+    np.testing.assert_allclose(np.asarray(tf.key_mean), mean, rtol=1e-4, atol=1e-5)
+    saved = np.load(tmp_path / "stats.npz")
+    count = int(saved["0/count"])
+    for layer in range(keys.shape[0]):
+        centred = keys[layer] - mean[layer]
+        gram = np.einsum("btkx,btky->kxy", centred, centred) / count
+        np.testing.assert_allclose(saved[f"{layer}/KK"] / count, gram, rtol=1e-3, atol=1e-5)
+    # The same run without the option stores no mean and a Gram of the raw keys.
+    plain = tmp_path / "plain"
+    cal.main(dataclasses.replace(cfg, out=str(plain)))
+    tf0, meta0 = load_transforms(plain / "kv_pca")
+    assert tf0.key_mean is None and meta0["center_keys"] is False

@@ -139,6 +139,24 @@ def test_identity_quantizer_equals_full_precision(model, step):
     assert mgr.segments(0)[1] > 0  # the low-bit segment was exercised
 
 
+def test_centred_keys_leave_attention_unchanged(model, step):
+    """A key mean subtracted from every stored key (`KVTransforms.key_mean`) moves all of a
+    query's logits by the same q . mu: with the identity quantizer, still the dense model."""
+    tokens = np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 60))
+    full, _ = model(jnp.asarray(tokens))
+    mu = np.random.default_rng(3).normal(size=(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim))
+    tf = dataclasses.replace(
+        random_orthogonal_transforms(CFG), key_mean=jnp.asarray(8.0 * mu, jnp.float32)
+    )
+    cache = PagedKVCache.create(CFG, SMALL, tf, 2)
+    mgr = PageManager(cache)
+    got, _ = run_chunks(step, cache, mgr, tokens, [5, 16, 1, 1, 7, 3, 1, 10, 16])
+    np.testing.assert_allclose(got, np.asarray(full), atol=1e-4)
+    bad = dataclasses.replace(tf, key_mean=jnp.zeros((CFG.num_layers, CFG.head_dim)))
+    with pytest.raises(ValueError, match="key_mean has shape"):
+        bad.check_matches(CFG)
+
+
 def test_single_token_decode_matches_full_sequence(model, step):
     tokens = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, 40))
     full, _ = model(jnp.asarray(tokens))
@@ -290,13 +308,18 @@ def test_memory_accounting_reports_low_bits():
 
 def test_pallas_decode_path_matches_reference():
     """Decode through the Pallas kernel (interpret mode on CPU) == the reference path, with
-    transforms applied inside the kernel (query transform and value inverse)."""
+    transforms applied inside the kernel (query transform and value inverse) and centred keys
+    (the prefill chunk's tokens that go straight to low bits are centred before the fused
+    quantize+pack kernel transforms them)."""
     cfg = dataclasses.replace(CFG, head_dim=64)  # the kernel's 2-bit dots need d // 4 >= 16
     model = Transformer(cfg, rngs=nnx.Rngs(1))
     graphdef, params = nnx.split(model)
     step = jax.jit(lambda t, c: nnx.merge(graphdef, params)(t, c))
     tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 68))
-    tf = random_orthogonal_transforms(cfg, seed=9)
+    mu = np.random.default_rng(10).normal(size=(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
+    tf = dataclasses.replace(
+        random_orthogonal_transforms(cfg, seed=9), key_mean=jnp.asarray(4.0 * mu, jnp.float32)
+    )
     outs = {}
     for impl in ("reference", "pallas"):  # Triton tiles need page_size >= 16
         cc = CacheConfig(
