@@ -357,7 +357,7 @@ def merge_runs(paths: Sequence[str], out: str) -> dict:
     ]  # fmt: skip
     for r in runs:
         key = (r["task"], r["transform"], r["length"], r["quantizer"], r["bits"], r["windows"])
-        key += (r.get("value_bits"), r.get("group_size"))
+        key += (r.get("value_bits"), r.get("group_size"), bool(r.get("center_keys")))
         if key not in seen:  # a setting measured twice (full precision in every run): the first
             seen.add(key)
             rows.append(r)
@@ -464,6 +464,7 @@ def main(cfg: RetrievalConfig, lm: LoadedModel | None = None) -> dict:
                         bits=None if fp else cfg.bits,
                         value_bits=None if fp else vbits,
                         group_size=None if fp else cfg.group_size,
+                        center_keys=None if fp else tf.key_mean is not None,
                         windows=None if fp else win,
                         length=int(length),
                         metric=f"{task}_accuracy",
@@ -523,6 +524,8 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
                 name += f" {bits}-bit" if vbits == bits else f" {bits}k{vbits}v"
             if r["group_size"] != cfg.group_size:
                 name += f" ({r['group_size'] or 'whole-head'} channels per scale)"
+            if r.get("center_keys"):
+                name += " (centred keys)"
             return name
 
         names = list(dict.fromkeys(label(r) for r in tr))

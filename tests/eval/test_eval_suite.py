@@ -289,6 +289,12 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     merged = retrieval.merge_runs([*both, str(tmp_path / "legacy.json")], str(tmp_path / "m"))
     assert len(merged["rows"]) == len(rows) + len(grouped)
     assert "| wush (8 channels per scale) | " in (tmp_path / "m" / "retrieval.md").read_text()
+    # Transforms calibrated with centred keys are another setting, named as such.
+    centred = [dict(r, center_keys=True) for r in rows if r["transform"] == "wush"]
+    (tmp_path / "centred.json").write_text(json.dumps(dict(payload, rows=centred)))
+    merged = retrieval.merge_runs([*both, str(tmp_path / "centred.json")], str(tmp_path / "m"))
+    assert len(merged["rows"]) == len(rows) + len(centred)
+    assert "| wush (centred keys) | " in (tmp_path / "m" / "retrieval.md").read_text()
 
 
 def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
