@@ -478,6 +478,9 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     "int2_mosaic_vdims_splits_quarter": _dims(2, splits_factor=0.25),
     "int2_mosaic_vdims_splits_half": _dims(2, splits_factor=0.5),
     "int2_mosaic_vdims_splits_x2": _dims(2, splits_factor=2),
+    # x4: ~1024 programs, the Mosaic body's automatic choice until session 30 (now ~256).
+    "int2_mosaic_vdims_splits_x4": _dims(2, splits_factor=4),
+    "int4_mosaic_vdims_splits_x4": _dims(4, splits_factor=4),
     "int2_mosaic_splits_x2": (
         2,
         dict(backend="gpu_mosaic", pages_per_block=1, splits_factor=2),

@@ -83,10 +83,12 @@ def lowbit_auto_splits(
     batch: int, hkv: int, max_pages: int, pages_per_block: int, backend: str = "gpu"
 ) -> int:
     """Splits `decode_attention` picks when ``num_splits`` is None: enough programs to fill
-    the GPU (`_TARGET_PROGRAMS_LOWBIT`), at most the backend's ``MAX_SPLITS`` per sequence
-    and head group (None: no cap)."""
-    splits = _auto_splits(batch, hkv, max_pages, pages_per_block, _TARGET_PROGRAMS_LOWBIT)
-    cap = _backend_module(backend).MAX_SPLITS
+    the GPU (the backend's ``TARGET_PROGRAMS``, else `_TARGET_PROGRAMS_LOWBIT`), at most the
+    backend's ``MAX_SPLITS`` per sequence and head group (None: no cap)."""
+    mod = _backend_module(backend)
+    target = getattr(mod, "TARGET_PROGRAMS", _TARGET_PROGRAMS_LOWBIT)
+    splits = _auto_splits(batch, hkv, max_pages, pages_per_block, target)
+    cap = mod.MAX_SPLITS
     return splits if cap is None else min(splits, cap)
 
 

@@ -1180,6 +1180,12 @@ FP_TARGET_PROGRAMS = 1024
 # merge outweigh the parallelism: run 87 (H100) measured 32 splits best at 1 x 32k, 64k and
 # 128k (0.080 / 0.075 / 0.078 ms against 0.135 / 0.080 / 0.098 at 128 splits).
 MAX_SPLITS = 32
+# Programs the automatic split count aims for (the API's default 1024 where a backend names
+# none): about one wave of this kernel (~2 resident programs per SM by registers, 132 SMs).
+# Run 98 (H100, one run) against 1024: 8 x 32k 0.1080 vs 0.1203 ms, 8 x 128k 0.3304 vs
+# 0.3488, 32 x 32k 0.3572 vs 0.3793; 512 fell between. Every extra wave repeats the
+# per-program start-up (query load, barriers, the partials' stores).
+TARGET_PROGRAMS = 256
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES
