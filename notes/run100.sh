@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run 99: the Mosaic body's split target at 256 programs (was 1024): the decode record with the
+# Run 100: the Mosaic body's split target at 256 programs (was 1024): the decode record with the
 # new default, then the old split count (x4) against it in one run at the points it changes.
 set -u
 out=$1; mkdir -p "$out"
