@@ -376,6 +376,7 @@ def _run_cfg(cfg, cc, tokens, chunks, tf):
     return out, cache, mgr
 
 
+@pytest.mark.slow  # ~85 s on CI's CPU; the 128-token pages are in the Mosaic decode test
 def test_lowbit_pages_of_their_own_size_and_dims_major_values():
     """128-token low-bit pages beside 16-token fp pages give the outputs of 16-token low-bit
     pages (same codes, same token order), and dimension-major value pages hold the same codes

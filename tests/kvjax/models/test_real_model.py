@@ -60,6 +60,7 @@ def test_flax_logits_match_transformers(real):
     assert err <= 1e-4 * np.abs(ref).max(), (err, np.abs(ref).max())
 
 
+@pytest.mark.slow  # ~80 s on CI's CPU; the logits parity test above stays in CI
 def test_greedy_paris_dense_and_paged():
     lm = load_model()
     ids = lm.tokenizer.encode("The capital of France is")
