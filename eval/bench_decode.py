@@ -124,18 +124,30 @@ class BenchConfig:
 
 
 # ------------------------------------------------------------------------------------------
+def _steady_seconds(batch: Callable[[int], float], units: int) -> float:
+    """Seconds per unit of back-to-back work, fixed per-batch costs cancelled: ``batch(k)``
+    times k units with one start and one sync; the difference of a 3k- and a k-unit batch
+    leaves out what every batch pays once (the first dispatch's host time, the final sync),
+    which torch's CUDA-event rows never see either (run 102: at 8 x 32k 7 calls per dispatch,
+    ~18 us per call of wall beyond the device's span in a 4-dispatch batch)."""
+    return (batch(3 * units) - batch(units)) / (2 * units)
+
+
 def _time_jax(fn: Callable[[], jax.Array], cfg: BenchConfig) -> float:
     """Median seconds per call: batches of back-to-back calls, one sync per batch."""
     jax.block_until_ready(fn())  # compile + warm up
     jax.block_until_ready(fn())
-    times = []
-    for _ in range(cfg.repeats):
+
+    def batch(k: int) -> float:
         t0 = time.perf_counter()
-        for _ in range(cfg.calls_per_repeat):
+        for _ in range(k):
             r = fn()
         jax.block_until_ready(r)
-        times.append((time.perf_counter() - t0) / cfg.calls_per_repeat)
-    return statistics.median(times)
+        return time.perf_counter() - t0
+
+    return statistics.median(
+        _steady_seconds(batch, cfg.calls_per_repeat) for _ in range(cfg.repeats)
+    )
 
 
 # L2 of the H200 is 60 MB. Every call inside one timed jit reads its own input copy: XLA
@@ -185,7 +197,8 @@ def _time_unrolled(
     One jit holds ``len(caches)`` calls (`unrolled_calls`: no operand shared between calls,
     so XLA cannot merge them); it is dispatched back to back at least `_MIN_ROUNDS` times and
     enough for ``calls_per_repeat`` calls per timed batch, with one sync per batch (host
-    dispatch overlaps the device work after the first).
+    dispatch overlaps the device work after the first); `_steady_seconds` takes the
+    difference of a 3x and a 1x batch, so the first dispatch and the sync cancel.
     """
     n = len(caches)
     if len(queries) < n:
@@ -196,13 +209,13 @@ def _time_unrolled(
     many = unrolled_calls(call)
     jax.block_until_ready(many(caches, queries))  # compile + warm up
     jax.block_until_ready(many(caches, queries))
-    times = []
-    for _ in range(cfg.repeats):
+
+    def batch(k: int) -> float:
         t0 = time.perf_counter()
-        outs = [many(caches, queries) for _ in range(rounds)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / (rounds * n))
-    return statistics.median(times)
+        jax.block_until_ready([many(caches, queries) for _ in range(k)])
+        return time.perf_counter() - t0
+
+    return statistics.median(_steady_seconds(batch, rounds) for _ in range(cfg.repeats)) / n
 
 
 def read_bandwidth_ceiling(sizes: tuple[int, ...] | None = None) -> dict[str, float]:
@@ -747,15 +760,17 @@ def _time_torch_sdpa(cfg: BenchConfig, batch: int, ctx: int) -> float:
         outs = calls()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(cfg.repeats):
+
+    def batch(k: int) -> float:
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        for _ in range(rounds):
+        for _ in range(k):
             graph.replay()
         e1.record()
         torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / (n * rounds))
+        return e0.elapsed_time(e1) / 1e3
+
+    times = [_steady_seconds(batch, rounds) / n for _ in range(cfg.repeats)]
     del outs, graph
     kvs.clear()
     torch.cuda.empty_cache()
