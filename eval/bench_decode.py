@@ -771,7 +771,8 @@ def _time_torch_sdpa(cfg: BenchConfig, batch: int, ctx: int) -> float:
         return e0.elapsed_time(e1) / 1e3
 
     times = [_steady_seconds(batch, rounds) / n for _ in range(cfg.repeats)]
-    outs = graph = None  # free the copies before the next row
+    del outs  # free the copies before the next row
+    graph = None
     kvs.clear()
     torch.cuda.empty_cache()
     return statistics.median(times)
