@@ -526,6 +526,8 @@ def to_markdown(rows: list[dict], cfg: RetrievalConfig) -> str:
                 name += f" ({r['group_size'] or 'whole-head'} channels per scale)"
             if r.get("center_keys"):
                 name += " (centred keys)"
+            if r["quantizer"] != cfg.quantizer:
+                name += f" ({r['quantizer']} quantizer)"
             return name
 
         names = list(dict.fromkeys(label(r) for r in tr))

@@ -295,6 +295,11 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     merged = retrieval.merge_runs([*both, str(tmp_path / "centred.json")], str(tmp_path / "m"))
     assert len(merged["rows"]) == len(rows) + len(centred)
     assert "| wush (centred keys) | " in (tmp_path / "m" / "retrieval.md").read_text()
+    quest = [dict(r, quantizer="quest") for r in rows if r["transform"] == "wush"]
+    (tmp_path / "quest.json").write_text(json.dumps(dict(payload, rows=quest)))
+    merged = retrieval.merge_runs([*both, str(tmp_path / "quest.json")], str(tmp_path / "m"))
+    assert len(merged["rows"]) == len(rows) + len(quest)
+    assert "| wush (quest quantizer) | " in (tmp_path / "m" / "retrieval.md").read_text()
 
 
 def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
