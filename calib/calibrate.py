@@ -223,7 +223,7 @@ def make_stats_step(lm: LoadedModel, names: frozenset[str]):
     graphdef, _ = nnx.split(lm.model)
     needs_wo = bool({"H_K", "H_V"} & names)
 
-    def step(params, stats, tokens, key_mean):
+    def step(params, stats, tokens, key_mean=None):
         m = nnx.merge(graphdef, params)
         m.set_observer(
             lambda l, q, k, v, o: update_stats(
