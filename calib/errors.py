@@ -26,12 +26,17 @@ def roundtrip(
     b: jax.Array,  # f32[Hkv, d, d]
     qc: QuantConfig | None,
     clip: jax.Array | float | None,
+    mean: jax.Array | None = None,  # f32[Hkv, d] centred keys' offset (`KVTransforms.key_mean`)
 ) -> jax.Array:  # f32[B, T, Hkv, d]
-    """x_hat = Q(x A) B per KV head (qc None: no quantization)."""
+    """x_hat = Q((x - mean) A) B + mean per KV head (qc None: no quantization; mean None: 0).
+    Adding the mean back keeps x_hat comparable with x (the logits move by q . mean)."""
+    if mean is not None:
+        x = x - mean
     xa = jnp.einsum("BTKH,KHJ->BTKJ", x, a)
     if qc is not None:
         xa = fake_quantize(xa, qc, clip=clip if qc.method == "oscar" else None)
-    return jnp.einsum("BTKJ,KJH->BTKH", xa, b)
+    x_hat = jnp.einsum("BTKJ,KJH->BTKH", xa, b)
+    return x_hat if mean is None else x_hat + mean
 
 
 def _probs(q, k, sm_scale):

@@ -86,11 +86,11 @@ class SingleCacheQuant:
 
             # Only the target cache is read back from low-bit storage (one roundtrip, not two).
             def keys_low(k, v):
-                mu = 0.0 if self.key_mean is None else self.key_mean[layer]
+                mu = None if self.key_mean is None else self.key_mean[layer]
                 kq = errors.roundtrip(
-                    k - mu, self.a_k[layer], self.b_k[layer], self.qc, self.clip_k[layer]
+                    k, self.a_k[layer], self.b_k[layer], self.qc, self.clip_k[layer], mu
                 )
-                return kq + mu, v
+                return kq, v
 
             def values_low(k, v):
                 vq = errors.roundtrip(

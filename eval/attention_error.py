@@ -83,8 +83,7 @@ def layer_errors(
 
     @jax.jit
     def one(q, k, v, a_k, b_k, a_v, b_v, ck, cv, w_o_h, mu):
-        # Centred keys are stored less mu; mu added back keeps the logits comparable.
-        k_hat = errors.roundtrip(k - mu, a_k, b_k, qc, ck) + mu
+        k_hat = errors.roundtrip(k, a_k, b_k, qc, ck, mu)
         v_hat = errors.roundtrip(v, a_v, b_v, qc, cv)
         e = errors.attention_errors(q, k, v, k_hat, v_hat, w_o_h, sm_scale)
         return jnp.stack(
@@ -111,7 +110,7 @@ def layer_errors(
                     transforms.clip_k[i],
                     transforms.clip_v[i],
                     _o_proj_heads(lm, i),
-                    0.0 if transforms.key_mean is None else transforms.key_mean[i],
+                    None if transforms.key_mean is None else transforms.key_mean[i],
                 )
             )
         )
