@@ -479,6 +479,9 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Before runs 91-92: the query operands from XLA's fusions, sink/recent splits of 4 pages.
     "int2_mosaic_vdims_qxla_fp4": _dims(2, prologue="xla", fp_pages_per_split=4),
     "int2_mosaic_vdims_fp4": _dims(2, fp_pages_per_split=4),
+    # Before session 31: the API's convert and head_matmul, then the operands kernel (three
+    # kernels; the default "fused" prologue is one).
+    "int2_mosaic_vdims_qtriton": _dims(2, prologue="triton"),
     # Sink/recent splits of 2 pages (batch 8 x 8 heads takes 1-page splits by default).
     "int2_mosaic_vdims_fp2": _dims(2, fp_pages_per_split=2),
     # Everything but the low-bit pages (their splits empty): the call's fixed cost and the

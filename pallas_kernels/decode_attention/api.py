@@ -133,10 +133,14 @@ def _merge_splits(
     return _ungroup(_merge_partials(acc, m, l), group)
 
 
+def _group_pad(g: int, pad_to: int) -> int:
+    return max(pad_to, 1 << (g - 1).bit_length())
+
+
 def _group_queries(q: jax.Array, hkv: int, pad_to: int) -> tuple[jax.Array, int]:
     b, hq, d = q.shape
     g = hq // hkv
-    gp = max(pad_to, 1 << (g - 1).bit_length())
+    gp = _group_pad(g, pad_to)
     qg = q.astype(jnp.float32).reshape(b, hkv, g, d)
     return jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0))), g
 
@@ -383,12 +387,18 @@ def decode_attention_variant(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
-    qg, g = _group_queries(q, dims["hkv"], mod.MIN_GROUP_PAD)
+    # The "fused" prologue (Mosaic GPU) groups, converts and transforms the queries itself.
+    fused = prologue == "fused"
+    if fused:
+        g = q.shape[1] // dims["hkv"]
+        qg = q.reshape(dims["b"], dims["hkv"], g, dims["d"])
+    else:
+        qg, g = _group_queries(q, dims["hkv"], mod.MIN_GROUP_PAD)
     hoist = mod.HOISTS_TRANSFORMS
     cfg = DecodeConfig(
         head_dim=dims["d"],
         page_size=dims["page"],
-        group_pad=qg.shape[2],
+        group_pad=_group_pad(g, mod.MIN_GROUP_PAD),
         n_chunks=layout.codes_per_byte(bits_v),
         bits=bits,
         bits_v=None if bits_v == bits else bits_v,
@@ -407,7 +417,7 @@ def decode_attention_variant(
     f32 = jnp.float32
     qt = None if query_transform is None else query_transform.astype(f32)
     vi = None if value_inverse is None else value_inverse.astype(f32)
-    if hoist and qt is not None:
+    if hoist and qt is not None and not fused:
         qg = mod.head_matmul(qg, qt, interpret=interpret)  # into the transformed frame
     # The full-precision pages share the low-bit splits, or (a backend with its own kernel for
     # them) are split `fp_auto_pages_per_split` pages at a time.
@@ -426,7 +436,7 @@ def decode_attention_variant(
     acc, m, l = mod.paged_decode(
         cfg,
         qg,
-        None if hoist else qt,
+        qt if fused or not hoist else None,
         None if hoist else vi,
         (fp.k, fp.v, split_table(fp.table, fp_splits, unit), fp.length),
         (

@@ -109,9 +109,11 @@ OVERLAPS = ("none", "values")
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
 # How the split kernel's query operands are built (`query_operands`), the first the default:
-# "triton", one Pallas Triton kernel for the 8-bit split and layout (s8 keys; XLA otherwise;
-# runs 91-92, H100: -3 to -5 us per batch-1 call), or "xla" ops (five small fusions).
-PROLOGUES = ("triton", "xla")
+# "fused", one Pallas Triton kernel from the queries as they come (convert, pad, query
+# transform, 8-bit split and layout: `query_prologue`); "triton", the same kernel after the
+# API's convert and `head_matmul` (runs 91-92, H100: -3 to -5 us per batch-1 call against
+# "xla"); "xla", the operands in XLA ops (five small fusions).
+PROLOGUES = ("fused", "triton", "xla")
 # int_to_float="s8" keeps key codes integers: signed 8-bit MMA operands, one shift and one mask
 # per four codes; the query split into high and low 8-bit parts, q ~ s_q (hi + lo / 254), side
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
@@ -335,24 +337,99 @@ def query_operands(
     return qs, qmeta
 
 
-def _query_operands_kernel(x_ref, qs_ref, qmeta_ref, *, group, scale_log2, n_pad, streams):
-    """One (sequence, KV head): `query_operands`' s8 rows and metadata, each output row split
-    from the query row that feeds it (a row-indexed load), in the twin's operations."""
+def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg):
+    """One (sequence, KV head): its group's query rows (times the head's query transform where
+    given: a broadcast multiply and column sum, exact float32 products as HIGHEST asks, with no
+    16-row minimum), then `query_operands`' s8 rows and metadata, each output row selected from
+    the query row that feeds it and split in the twin's operations; with ``has_qg`` also the
+    transformed rows as float32, zero past the group (the sink/recent kernel's query)."""
+    it = iter(refs)
+    x_ref = next(it)
+    mat = next(it)[...] if has_mat else None
+    qg_ref = next(it) if has_qg else None
+    qs_ref, qmeta_ref = next(it), next(it)
+    d = x_ref.shape[-1]
+    query = []
+    for g in range(group):
+        x = x_ref[g, :].astype(jnp.float32)
+        query.append(jnp.sum(x[:, None] * mat, axis=0) if has_mat else x)
+
+    def select(idx, valid):  # i32[R] -> f32[R, d]: row idx[r]'s query, zeros where not valid
+        out = jnp.zeros((idx.shape[0], d), jnp.float32)
+        for g, row in enumerate(query):
+            out = jnp.where(((idx == g) & valid)[:, None], row[None, :], out)
+        return out
+
+    if qg_ref is not None:
+        r = jnp.arange(qg_ref.shape[0], dtype=jnp.int32)
+        qg_ref[...] = select(r, r < group)
     gcol = n_pad // streams
     rows = qs_ref.shape[0]  # streams * 2N: stream t's block, high parts then low parts
     r = jnp.arange(rows, dtype=jnp.int32)
     i = r % (2 * n_pad)
     g = i % n_pad - (r // (2 * n_pad)) * gcol
     valid = (g >= 0) & (g < group)
-    hi, lo, _, _ = split_query_s8(x_ref[jnp.where(valid, g, 0)] * scale_log2, _round_half_up)
+    hi, lo, _, _ = split_query_s8(select(g, valid) * scale_log2, _round_half_up)
     qs_ref[...] = jnp.where(valid[:, None], jnp.where((i < n_pad)[:, None], hi, lo), 0)
     # Word c < N: column c's scale; word N + c: its reconstruction's sum; zeros after 2N.
     w = jnp.arange(qmeta_ref.shape[0], dtype=jnp.int32)
     g = jnp.where(w < n_pad, w, w - n_pad) % gcol
     valid = (w < 2 * n_pad) & (g < group)
-    rows = x_ref[jnp.where(valid, g, 0)] * scale_log2
-    _, _, sq, total = split_query_s8(rows, _round_half_up)
+    _, _, sq, total = split_query_s8(select(g, valid) * scale_log2, _round_half_up)
     qmeta_ref[...] = jnp.where(valid, jnp.where(w < n_pad, sq[:, 0], total), 0.0)
+
+
+def _prologue_call(
+    x: jax.Array,  # [B, Hkv, R, d] query rows per KV head (rows >= group never read)
+    mat: jax.Array | None,  # f32[Hkv, d, d] or None
+    *,
+    group: int,
+    group_pad: int | None,  # rows of the float32 query output, None: no such output
+    scale_log2: float,
+    n_pad: int,
+    streams: int,
+    interpret: bool,
+) -> tuple[jax.Array, ...]:
+    b, hkv, r, d = x.shape
+    rows = streams * 2 * n_pad
+    if rows & (rows - 1) or group > min(r, n_pad // streams):
+        raise ValueError(f"streams*2N={rows} must be a power of two and {group=} <= rows, N")
+    if r & (r - 1):  # Triton blocks are powers of two; rows past `group` are never read
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, (1 << (r - 1).bit_length()) - r), (0, 0)))
+        r = x.shape[2]
+    kernel = functools.partial(
+        _query_prologue_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
+        streams=streams, has_mat=mat is not None, has_qg=group_pad is not None,
+    )  # fmt: skip
+    in_specs = [pl.BlockSpec((None, None, r, d), lambda bi, h: (bi, h, 0, 0))]
+    operands = [x]
+    if mat is not None:
+        in_specs.append(pl.BlockSpec((None, d, d), lambda bi, h: (h, 0, 0)))
+        operands.append(mat)
+    out_specs = [
+        pl.BlockSpec((None, None, rows, d), lambda bi, h: (bi, h, 0, 0)),
+        pl.BlockSpec((None, None, _COPY_WORDS), lambda bi, h: (bi, h, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.int8),
+        jax.ShapeDtypeStruct((b, hkv, _COPY_WORDS), jnp.float32),
+    ]
+    if group_pad is not None:
+        out_specs.insert(0, pl.BlockSpec((None, None, group_pad, d), lambda bi, h: (bi, h, 0, 0)))
+        out_shape.insert(0, jax.ShapeDtypeStruct((b, hkv, group_pad, d), jnp.float32))
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        # 8 warps: a [d, d] float32 transform is 64 registers a thread at d = 128.
+        compiler_params=plgpu_triton.CompilerParams(
+            num_warps=8 if mat is not None else 4, num_stages=1
+        ),
+        interpret=interpret,
+        name="paged_decode_query_prologue" if mat is not None else "paged_decode_query_operands",
+    )(*operands)
 
 
 def query_operands_s8(
@@ -367,34 +444,51 @@ def query_operands_s8(
     """`query_operands` (s8 keys) as one Pallas Triton kernel, one program per (sequence, KV
     head): at batch 1 XLA spends five small kernels on it (run 90: ~7 us of a 43.5 us call at
     1 x 64k)."""
-    b, hkv, gp, d = qg.shape
-    rows = streams * 2 * n_pad
-    if rows & (rows - 1) or group > min(gp, n_pad // streams):
-        raise ValueError(f"streams*2N={rows} must be a power of two and {group=} <= Gp, N")
-    if gp & (gp - 1):  # Triton blocks are powers of two; rows past `group` are never read
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, (1 << (gp - 1).bit_length()) - gp), (0, 0)))
-        gp = qg.shape[2]
-    kernel = functools.partial(
-        _query_operands_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
-        streams=streams,
+    b, hkv = qg.shape[:2]
+    qs, qmeta = _prologue_call(
+        qg, None, group=group, group_pad=None, scale_log2=scale_log2, n_pad=n_pad,
+        streams=streams, interpret=interpret,
     )  # fmt: skip
-    qs, qmeta = pl.pallas_call(
-        kernel,
-        grid=(b, hkv),
-        in_specs=[pl.BlockSpec((None, None, gp, d), lambda bi, h: (bi, h, 0, 0))],
-        out_specs=[
-            pl.BlockSpec((None, None, rows, d), lambda bi, h: (bi, h, 0, 0)),
-            pl.BlockSpec((None, None, _COPY_WORDS), lambda bi, h: (bi, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.int8),
-            jax.ShapeDtypeStruct((b, hkv, _COPY_WORDS), jnp.float32),
-        ],
-        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="paged_decode_query_operands",
-    )(qg)
-    return qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta
+    return qs.reshape(b, hkv, streams, 2 * n_pad, qg.shape[-1]), qmeta
+
+
+# The fused prologue keeps the whole [d, d] transform in registers: at most this head size.
+FUSED_PROLOGUE_MAX_DIM = 128
+
+
+def query_prologue(
+    q: jax.Array,  # [B, Hkv, group, d] one query row per query head, original frame, any float
+    query_transform: jax.Array | None,  # f32[Hkv, d, d] or None (identity)
+    *,
+    group_pad: int,
+    scale_log2: float,
+    n_pad: int,
+    streams: int,
+    key_operand: str = "s8",
+    interpret: bool = False,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The transformed-frame queries ``qg`` f32[B, Hkv, group_pad, d] (rows past the group
+    zero; the sink/recent kernel's operand) and the split kernel's ``(qs, qmeta)``
+    (`query_operands`) from the queries as they come. With s8 keys and ``d`` up to
+    `FUSED_PROLOGUE_MAX_DIM`, one Pallas Triton kernel per (sequence, KV head) does the
+    float32 convert, the padding, the query transform and the 8-bit split (`prologue`
+    ``"fused"``: at 8 x 32k on the H100 these were three kernels, 8.6 us of a ~100 us call,
+    run 102); otherwise the same in XLA ops, `gpu_triton.head_matmul` and
+    `query_operands_s8`/`query_operands`."""
+    b, hkv, group, d = q.shape
+    if key_operand == "s8" and d <= FUSED_PROLOGUE_MAX_DIM:
+        qg, qs, qmeta = _prologue_call(
+            q, query_transform, group=group, group_pad=group_pad, scale_log2=scale_log2,
+            n_pad=n_pad, streams=streams, interpret=interpret,
+        )  # fmt: skip
+        return qg, (qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta)
+    qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
+    if query_transform is not None:
+        qg = gpu_triton.head_matmul(qg, query_transform, interpret=interpret)
+    kw = dict(group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams)
+    if key_operand == "s8":
+        return qg, query_operands_s8(qg, **kw, interpret=interpret)
+    return qg, query_operands(qg, **kw, key_operand=key_operand)
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
@@ -794,6 +888,7 @@ def lowbit_partials(
     streams: int | None = None,
     columns: bool = False,
     prologue: str = PROLOGUES[0],
+    operands: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -810,8 +905,9 @@ def lowbit_partials(
     split ``s`` stream ``t`` is row ``s * streams + t`` of ``S'``; in the ``columns`` layout
     column ``t * N / streams + g``.
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
-    ``prologue``: `PROLOGUES` (how the query operands are built: XLA ops, or with s8 keys the
-    `query_operands_s8` kernel).
+    ``prologue``: `PROLOGUES` (how the query operands are built from ``qg``: XLA ops, or with
+    s8 keys the `query_operands_s8` kernel; ``"fused"`` takes the latter here).
+    ``operands``: ``(qs, qmeta)`` already built from ``qg`` (`query_prologue`), or None.
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -856,7 +952,9 @@ def lowbit_partials(
         raise ValueError(f"stage={stage!r} is a float16-value attribution row; {int_to_float=}")
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
-    if prologue == "triton" and key_operand == "s8":
+    if operands is not None:
+        qs, qmeta = operands
+    elif prologue != "xla" and key_operand == "s8":
         qs, qmeta = query_operands_s8(
             qg, group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams
         )
@@ -1202,8 +1300,8 @@ WIDE_PAGES_PER_BLOCK = 1  # (4-bit widths: the same)
 
 def paged_decode(
     cfg: da.DecodeConfig,
-    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed frame
-    query_transform: jax.Array | None,
+    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed frame; "fused": [B, Hkv, group, d] as is
+    query_transform: jax.Array | None,  # "fused" prologue only (`query_prologue`)
     value_inverse: jax.Array | None,
     fp_set: tuple,  # (k_fp, v_fp [P, Hkv, page, d], table i32[B, S, pps], len i32[B])
     lowbit_set: tuple,  # (kc, vc, ks, kz, vs, vz, table i32[B, S, pps], len i32[B])
@@ -1217,10 +1315,22 @@ def paged_decode(
     splits, `FP_PAGES_PER_SPLIT`); the low-bit set in split rows (`rows_of_columns`: each
     token stream a split of its own).
     `merge_splits` takes the pairs: no concatenation."""
-    if query_transform is not None or value_inverse is not None:
-        raise ValueError("the GPU split kernel takes no transforms; use head_matmul around it")
+    if value_inverse is not None or (query_transform is not None and cfg.prologue != "fused"):
+        raise ValueError(
+            "the GPU split kernel takes no transforms but the fused prologue's query "
+            "transform; use head_matmul and the merge kernel around it"
+        )
     if interpret:
         raise ValueError("the Mosaic GPU body has no interpret mode; use backend='gpu'")
+    group = cfg.group if cfg.group is not None else qg.shape[2]
+    n_pad, streams = mma_columns(group, lowbit_set[0].shape[2])
+    operands = None
+    if cfg.prologue == "fused":  # qg: [B, Hkv, group, d] as the queries come
+        qg, operands = query_prologue(
+            qg, query_transform, group_pad=cfg.group_pad, scale_log2=cfg.scale_log2,
+            n_pad=n_pad, streams=streams,
+            key_operand="s8" if cfg.int_to_float.startswith("s8") else "f16",
+        )  # fmt: skip
     fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
     acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
         fp_cfg,
@@ -1233,7 +1343,6 @@ def paged_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    group = cfg.group if cfg.group is not None else qg.shape[2]
     acc_q, m_q, l_q = lowbit_partials(
         qg,
         lowbit_set,
@@ -1246,10 +1355,10 @@ def paged_decode(
         int_to_float=cfg.int_to_float,
         columns=True,
         prologue=cfg.prologue,
+        operands=operands,
     )
     # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout
     # measured 30 us at 1 x 64k (run 53) against ~5 us for this transpose plus the row merge.
-    _, streams = mma_columns(group, lowbit_set[0].shape[2])
     acc_q, m_q, l_q = rows_of_columns(acc_q, m_q, l_q, streams=streams, group=group)
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 

@@ -247,9 +247,10 @@ SLOW_CASES = [
 def test_auto_splits_fill_the_gpu_within_the_backend_cap(batch, pages, triton, mosaic):
     assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu") == triton
     assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") == mosaic
-    assert da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic") <= da_api._backend_module(
-        "gpu_mosaic"
-    ).MAX_SPLITS
+    assert (
+        da.lowbit_auto_splits(batch, 8, pages, 1, "gpu_mosaic")
+        <= da_api._backend_module("gpu_mosaic").MAX_SPLITS
+    )
 
 
 def test_mosaic_u8_metadata_needs_128_token_pages():
@@ -1145,7 +1146,8 @@ def test_gpu_merge_kernel_merges_a_second_set(split_at: int):
 
 
 @pytest.mark.parametrize(
-    "d, group, n_pad, streams", [(128, 4, 8, 2), (64, 3, 8, 1), (256, 9, 16, 1), (128, 8, 8, 1)],
+    "d, group, n_pad, streams",
+    [(128, 4, 8, 2), (64, 3, 8, 1), (256, 9, 16, 1), (128, 8, 8, 1)],
     ids=str,
 )
 def test_mosaic_query_prologue_kernel_matches_its_xla_twin(d, group, n_pad, streams):
@@ -1177,6 +1179,63 @@ def test_mosaic_query_prologue_kernel_matches_its_xla_twin(d, group, n_pad, stre
     np.testing.assert_allclose(qm, qm_want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="streams"):
         gm.query_operands_s8(qg, group=group, scale_log2=0.3, n_pad=8, streams=3)
+
+
+@pytest.mark.parametrize(
+    "d, group, n_pad, streams, dtype, transform, key_operand",
+    [
+        (128, 4, 8, 2, "bfloat16", True, "s8"),
+        (128, 8, 8, 1, "float32", True, "s8"),
+        (64, 3, 8, 1, "bfloat16", True, "s8"),  # a group of 3: padded to 4 rows in XLA
+        (128, 4, 8, 2, "bfloat16", False, "s8"),
+        (256, 4, 8, 2, "bfloat16", True, "s8"),  # over FUSED_PROLOGUE_MAX_DIM: three kernels
+        (128, 4, 8, 2, "bfloat16", True, "f16"),  # float16 key operands: XLA's operands
+    ],
+    ids=str,
+)
+def test_mosaic_fused_query_prologue_matches_its_unfused_twin(
+    d, group, n_pad, streams, dtype, transform, key_operand
+):
+    """`query_prologue` (one Pallas Triton kernel, interpret mode: convert, pad, transform,
+    8-bit split) against the API's convert and pad, the HIGHEST-precision transform in XLA and
+    XLA's `query_operands`: the float32 queries to 1e-5 of their scale (a broadcast sum against
+    a dot: another summation order), padding rows zero; each column's 8-bit value within one
+    low-part code, scales and sums to 1e-4."""
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    b, hkv, gp = 2, 2, 16
+    k1, k2 = jax.random.split(jax.random.key(7))
+    q = (jax.random.normal(k1, (b, hkv, group, d)) * 3).astype(dtype)
+    q = q.at[1, 0].set(0)  # a head whose queries are all zero
+    mat = jax.random.normal(k2, (hkv, d, d)) / np.sqrt(d) if transform else None
+    kw = dict(scale_log2=0.3, n_pad=n_pad, streams=streams)
+    qg, (qs, qmeta) = gm.query_prologue(
+        q, mat, group_pad=gp, **kw, key_operand=key_operand, interpret=True
+    )
+    want = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    if mat is not None:
+        want = jnp.einsum("bhgd,hde->bhge", want, mat, precision=jax.lax.Precision.HIGHEST)
+    assert qg.shape == (b, hkv, gp, d) and qg.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(qg), np.asarray(want), rtol=0, atol=1e-5 * 3)
+    assert np.all(np.asarray(qg)[:, :, group:] == 0)
+    qs_want, qmeta_want = gm.query_operands(want, group=group, **kw, key_operand=key_operand)
+    assert qs.shape == qs_want.shape and qs.dtype == qs_want.dtype
+    if key_operand != "s8":
+        np.testing.assert_allclose(
+            np.asarray(qs, np.float32), np.asarray(qs_want, np.float32), rtol=2e-3, atol=1e-4
+        )
+        return
+
+    # Each column's value in units of its scale, hi + lo / 254 (bfloat16 queries meet exact
+    # ties, where rounding half up and half to even give (h + 1, -127) against (h, 127)).
+    def units(x):
+        x = np.asarray(x, np.float64)
+        return x[..., :n_pad, :] + x[..., n_pad:, :] / 254
+
+    assert np.abs(units(qs) - units(qs_want)).max() <= 1.01 / 254
+    unused = np.all(np.asarray(qs_want) == 0, axis=-1)
+    assert np.all(np.asarray(qs)[unused] == 0)
+    np.testing.assert_allclose(np.asarray(qmeta), np.asarray(qmeta_want), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("case", _OVERLAP_CASES[:2], ids=str)
