@@ -338,36 +338,34 @@ def query_operands(
 
 
 def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg):
-    """One (sequence, KV head): its group's query rows, padded to `GROUP_PAD` and times the
-    head's query transform where given (float32 dots at HIGHEST precision: exact products, the
-    tensor cores' 16-row minimum met by the padding), then `query_operands`' s8 rows and
-    metadata, each output row picked from the query row that feeds it by a one-hot dot
-    (exact: one product of 1 and the rest of 0) and split in the twin's operations; with
-    ``has_qg`` also the transformed rows as float32, zero past the group (the sink/recent
-    kernel's query)."""
+    """One (sequence, KV head): its group's query rows (times the head's query transform where
+    given: a broadcast multiply and column sum, exact float32 products as HIGHEST asks, with no
+    16-row minimum), then `query_operands`' s8 rows and metadata, each output row selected from
+    the query row that feeds it and split in the twin's operations; with ``has_qg`` also the
+    transformed rows as float32, zero past the group (the sink/recent kernel's query)."""
     it = iter(refs)
     x_ref = next(it)
-    mat_ref = next(it) if has_mat else None
+    mat = next(it)[...] if has_mat else None
     qg_ref = next(it) if has_qg else None
     qs_ref, qmeta_ref = next(it), next(it)
     d = x_ref.shape[-1]
-    rows = jnp.arange(GROUP_PAD, dtype=jnp.int32)[:, None]
-    query = jnp.zeros((GROUP_PAD, d), jnp.float32)
-    for g in range(group):  # row loads: the block may hold fewer than 16 rows
-        query = jnp.where(rows == g, x_ref[g, :].astype(jnp.float32)[None, :], query)
-    highest = lax.Precision.HIGHEST
-    if mat_ref is not None:
-        query = da._dot_nn(query, mat_ref[...], precision=highest)
+    query = []
+    for g in range(group):
+        x = x_ref[g, :].astype(jnp.float32)
+        query.append(jnp.sum(x[:, None] * mat, axis=0) if has_mat else x)
+
+    def select(idx, valid):  # i32[R] -> f32[R, d]: row idx[r]'s query, zeros where not valid
+        out = jnp.zeros((idx.shape[0], d), jnp.float32)
+        for g, row in enumerate(query):
+            out = jnp.where(((idx == g) & valid)[:, None], row[None, :], out)
+        return out
+
     if qg_ref is not None:
-        qg_ref[...] = query[: qg_ref.shape[0]]
-
-    def select(idx, valid):  # i32[R] -> f32[R, d]: row idx[r] of the query, zero if not valid
-        cols = jnp.arange(GROUP_PAD, dtype=jnp.int32)[None, :]
-        onehot = ((idx[:, None] == cols) & valid[:, None]).astype(jnp.float32)
-        return da._dot_nn(onehot, query, precision=highest)
-
+        r = jnp.arange(qg_ref.shape[0], dtype=jnp.int32)
+        qg_ref[...] = select(r, r < group)
     gcol = n_pad // streams
-    r = jnp.arange(qs_ref.shape[0], dtype=jnp.int32)  # stream t's block: high then low parts
+    rows = qs_ref.shape[0]  # streams * 2N: stream t's block, high parts then low parts
+    r = jnp.arange(rows, dtype=jnp.int32)
     i = r % (2 * n_pad)
     g = i % n_pad - (r // (2 * n_pad)) * gcol
     valid = (g >= 0) & (g < group)
@@ -425,7 +423,10 @@ def _prologue_call(
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu_triton.CompilerParams(num_warps=4, num_stages=1),
+        # 8 warps: a [d, d] float32 transform is 64 registers a thread at d = 128.
+        compiler_params=plgpu_triton.CompilerParams(
+            num_warps=8 if mat is not None else 4, num_stages=1
+        ),
         interpret=interpret,
         name="paged_decode_query_prologue" if mat is not None else "paged_decode_query_operands",
     )(*operands)
@@ -451,8 +452,9 @@ def query_operands_s8(
     return qs.reshape(b, hkv, streams, 2 * n_pad, qg.shape[-1]), qmeta
 
 
-# The fused prologue's program holds the whole [d, d] float32 transform: at most this head size
-# (64 KB at d = 128; 256 KB at d = 256 would not fit a program's shared memory).
+# The fused prologue's program holds the whole [d, d] float32 transform in registers: at most
+# this head size (64 registers a thread at d = 128 with 8 warps). Run 105 measured the transform
+# and row picks as float32 Triton dots at HIGHEST instead: 142 us at 8 x 32k against 7.8.
 FUSED_PROLOGUE_MAX_DIM = 128
 
 
