@@ -262,7 +262,8 @@ def decode_attention(
     Query head ``j`` reads KV head ``j // (Hq // Hkv)``; each KV head is read once for its
     whole query group. The query transform and the value inverse are applied by Pallas
     kernels: on the GPU by a prologue kernel (once per sequence and KV head, rather than once
-    per split program) and an epilogue kernel on the merged output (the inverse is linear, so
+    per split program; on the Mosaic path the same kernel also builds the split kernel's 8-bit
+    query operands) and an epilogue kernel on the merged output (the inverse is linear, so
     this equals applying it per split); the TPU body applies them inside the split kernel.
 
     Args:

@@ -77,8 +77,10 @@ class DecodeConfig:
       bits_v: value code width when it differs from the keys' (a layer of a bit allocation
         with its own K and V widths); ``None`` = ``bits``. The query is split into the key
         planes' chunks (`key_chunks`), the output into the value planes' (`n_chunks`).
-      prologue: how a body builds its query operands (Mosaic GPU: ``"xla"`` ops or one
-        ``"triton"`` kernel, `gpu_mosaic.PROLOGUES`; the other bodies take ``"xla"``).
+      prologue: how a body builds its query operands (Mosaic GPU, `gpu_mosaic.PROLOGUES`:
+        ``"fused"``, one kernel from the queries as they come, transform included; ``"triton"``,
+        that kernel after the API's convert and `head_matmul`; ``"xla"`` ops. The other bodies
+        take ``"xla"``).
     """
 
     head_dim: int
