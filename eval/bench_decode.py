@@ -290,9 +290,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
         for r in range(copies_for(nbytes)):
             x = _make_lowbit_inputs(cfg, batch, ctx, 2, jax.random.fold_in(key, r), page_q, vl)
             low = x["lowbit"]
-            splits = da.lowbit_auto_splits(
-                batch, cfg.kv_heads, low.table.shape[1], 1, "gpu_mosaic"
-            )
+            splits = da.lowbit_auto_splits(batch, cfg.kv_heads, low.table.shape[1], 1, "gpu_mosaic")
             tab = da_api.split_table(low.table, splits, 1)
             (kc, ks, kz), (vc, vs, vz) = low.k, low.v
             caches.append(dict(ls=(kc, vc, ks, kz, vs, vz, tab, low.length)))
