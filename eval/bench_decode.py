@@ -318,7 +318,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
                     n_pad=n_pad,
                     streams=streams,
                     int_to_float=ko,
-                    columns=True,  # the kernel's own outputs: no transpose after it
+                    columns=True,  # the kernel's own outputs: no slice after it
                 )
 
             name = f"int2_mosaic_split_{stage}_page{page_q}_{vl}"

@@ -56,8 +56,8 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
 denominator ``l`` in base-2 units) have the layout of the Triton body's, so the Triton merge
-kernel combines them with the full-precision segment's partials (the low-bit ``acc`` is
-transposed from the kernel's ``[d, N]`` tiles first). Supported: scale/zero groups
+kernel combines them with the full-precision segment's partials (each program stores its
+``[d, N]`` accumulator transposed, `store_rows`). Supported: scale/zero groups
 of the whole head (``group_size == d``), GQA groups up to 16, packed rows of 32 or 64 bytes
 (2 bits at d = 128/256, 4 bits at d = 64/128; 128-byte rows, 4 bits at d = 256, gave wrong
 results in run 20), low-bit pages of a multiple of 64 tokens (steps of 128 tokens when pages
@@ -507,13 +507,13 @@ def _kernel(
     vs_gmem,
     vz_gmem,
     tab_gmem,  # i32[B, S, rows, 32]: pages of the split, then its valid-token count
-    acc_gmem,  # f32[B, Hkv, S, d, N]
+    acc_gmem,  # f32[B, Hkv, S, N, d]
     m_gmem,  # f32[B, Hkv, S, N]
     l_gmem,  # f32[B, Hkv, S, N]
     q_smem,
     qmeta_smem,
     tab_smem,
-    ring,  # the loop's buffers, aliased with the epilogue's f32[d, N] output tile
+    ring,  # the loop's buffers, aliased with the epilogue's f32[N, d] output tile
     v16_smem,
     vec_smem,
     bar_in,
@@ -825,7 +825,7 @@ def _kernel(
     acc, m_i, l_i, zc = pl.run_scoped(loop, plgpu.ACC((d, acc_cols), jnp.float32))
     l_i, zc = l_i.sum(axis=0), zc.sum(axis=0)
     # Every TMA write and MMA read of the ring has completed: the output tile may reuse it.
-    out_smem[...] = acc - lax.broadcast_in_dim(zc, (d, npad), [1])
+    store_rows(out_smem, acc - lax.broadcast_in_dim(zc, (d, npad), [1]))
     vec_smem.at[0][...] = m_i
     vec_smem.at[1][...] = l_i
     plgpu.commit_smem()
@@ -847,14 +847,23 @@ def _split_rows(tab: jax.Array, lens: jax.Array, page: int, row_pages: int) -> j
     return jnp.concatenate(parts, axis=-1).reshape(b, s, row // _COPY_WORDS, _COPY_WORDS)
 
 
+def store_rows(out_smem, acc: jax.Array) -> None:
+    """Stores a split's f32[d, N] accumulator (MMA layout) as its f32[N, d] output tile: one
+    query column per row, so with token streams the partial arrays are already split rows
+    (`rows_of_columns`) and no transpose runs after the kernel (2.2 us at 8 x 32k, run 104).
+    Lanes swap halves of their 2x2 blocks first, as for the probabilities' tile."""
+    acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.transpose_ref(out_smem, (1, 0))[...] = acc
+
+
 def _split_call(kernel, scratch: dict, shape: tuple[int, ...], *, auto_barriers: bool = False):
-    """The `plgpu.kernel` of a split kernel: grid (B, Hkv, S), outputs acc f32[B, Hkv, S, d, N]
-    and m, l f32[B, Hkv, S, N] (``shape`` = (B, Hkv, S, d, N)).
+    """The `plgpu.kernel` of a split kernel: grid (B, Hkv, S), outputs acc f32[B, Hkv, S, N, d]
+    and m, l f32[B, Hkv, S, N] (``shape`` = (B, Hkv, S, N, d)).
 
     Without auto barriers Pallas puts no warpgroup barrier before each TMA copy. Safe in both
     kernels: a slot is refilled only after its last reads, and every step ends in
     `commit_smem` (a warpgroup barrier); no thread reads what it wrote."""
-    b, hkv, s, d, n_pad = shape
+    b, hkv, s, n_pad, d = shape
     params = plgpu.CompilerParams(
         unsafe_no_auto_barriers=not auto_barriers,
         reduction_scratch_bytes=_REDUCTION_SCRATCH,
@@ -899,7 +908,7 @@ def lowbit_partials(
     and denominator, as the Triton body returns them. ``bits`` is the keys' width, ``bits_v``
     the values' (default: the same); scale/zero may be float16 or the 8-bit encoding
     (`layout.META_U8`, decoded in the kernel; 128-token pages). ``columns``: the kernel's own
-    layout instead, query rows last and padded to ``N`` (acc f32[B,Hkv,S,d,N], m, l
+    layout instead, the query rows padded to ``N`` (acc f32[B,Hkv,S,N,d], m, l
     f32[B,Hkv,S,N]). ``n_pad``: that ``N`` (default `NARROW_PAD` for groups of up to 8, else
     `GROUP_PAD`; 16 is the twin the tests compare the narrow tiles against). ``streams``:
     token streams on the MMA columns (`STREAMS`; default 2 where a step holds 128 tokens and
@@ -1026,7 +1035,7 @@ def lowbit_partials(
                 else plgpu.SMEM((n_pad, tile), jnp.float16, transforms=_swizzled(P_SWIZZLE))
             ),
         ),
-        plgpu.SMEM((d, n_pad), jnp.float32),
+        plgpu.SMEM((n_pad, d), jnp.float32),
     )
     scratch = dict(
         q_smem=(
@@ -1048,7 +1057,7 @@ def lowbit_partials(
         ),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
-    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, d, n_pad), auto_barriers=auto_barriers)(
+    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, n_pad, d), auto_barriers=auto_barriers)(
         qs, qmeta, kc, vc, *metas, tab_ext
     )
     if columns:
@@ -1070,12 +1079,12 @@ def _fp_kernel(
     k_gmem,  # bf16[P, Hkv, page, d]
     v_gmem,
     tab_gmem,  # i32[B, S, rows, 32]: pages of the split (padded to whole steps), then its count
-    acc_gmem,  # f32[B, Hkv, S, d, N]
+    acc_gmem,  # f32[B, Hkv, S, N, d]
     m_gmem,  # f32[B, Hkv, S, N]
     l_gmem,
     q_smem,
     tab_smem,
-    ring,  # ((k, v [STAGES, TILE, d], p^T [N, TILE]), the epilogue's f32[d, N] tile)
+    ring,  # ((k, v [STAGES, TILE, d], p^T [N, TILE]), the epilogue's f32[N, d] tile)
     vec_smem,
     bar_in,
     bars,
@@ -1165,7 +1174,7 @@ def _fp_kernel(
         return acc_ref[...], *out
 
     acc, m_i, l_i = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
-    out_smem[...] = acc
+    store_rows(out_smem, acc)
     vec_smem.at[0][...] = m_i
     vec_smem.at[1][...] = l_i.sum(axis=0)
     plgpu.commit_smem()
@@ -1212,7 +1221,7 @@ def fp_partials(
             # The value MMA's operands share a swizzle: 128 bytes, as the value tile's.
             plgpu.SMEM((n_pad, TILE), k.dtype, transforms=_swizzled(2 * TILE)),
         ),
-        plgpu.SMEM((d, n_pad), jnp.float32),
+        plgpu.SMEM((n_pad, d), jnp.float32),
     )
     scratch = dict(
         q_smem=tiles((n_pad, d)),
@@ -1223,7 +1232,7 @@ def fp_partials(
         bars=plgpu.Barrier(num_arrivals=2 * per_step, num_barriers=stages),
     )
     kernel = functools.partial(_fp_kernel, page=page, pages_per_split=pps_pad, stages=stages)
-    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, d, n_pad))(qs, k, v, tab_ext)
+    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, n_pad, d))(qs, k, v, tab_ext)
     return rows_of_columns(acc, m, l, streams=1, group=group)
 
 
@@ -1251,13 +1260,14 @@ def mma_columns(
 def rows_of_columns(
     acc: jax.Array, m: jax.Array, l: jax.Array, *, streams: int, group: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The kernel's column layout (acc f32[B,Hkv,S,d,N], m, l f32[B,Hkv,S,N]) as split rows:
-    acc f32[B,Hkv,S*streams,group,d] (one XLA fusion), m, l f32[B,Hkv,S*streams,N/streams]
-    (reshapes, no copy: rows past ``group`` are padding the merge kernel does not read)."""
-    b, hkv, s, d, n_pad = acc.shape
+    """The kernel's column layout (acc f32[B,Hkv,S,N,d], m, l f32[B,Hkv,S,N]: column
+    ``t N/streams + g`` is stream ``t``'s query row ``g``) as split rows: acc
+    f32[B,Hkv,S*streams,group,d], m, l f32[B,Hkv,S*streams,N/streams] (reshapes; a copy only
+    where ``group < N/streams``: rows of m, l past ``group`` are padding the merge kernel
+    does not read)."""
+    b, hkv, s, n_pad, d = acc.shape
     gcol = n_pad // streams
-    acc = acc.reshape(b, hkv, s, d, streams, gcol)[..., :group]
-    acc = acc.transpose(0, 1, 2, 4, 5, 3).reshape(b, hkv, s * streams, group, d)
+    acc = acc.reshape(b, hkv, s * streams, gcol, d)[:, :, :, :group]
     m, l = (a.reshape(b, hkv, s * streams, gcol) for a in (m, l))
     return acc, m, l
 
@@ -1359,8 +1369,7 @@ def paged_decode(
         prologue=cfg.prologue,
         operands=operands,
     )
-    # Split rows (`rows_of_columns`): the merge kernel's strided loads of the column layout
-    # measured 30 us at 1 x 64k (run 53) against ~5 us for this transpose plus the row merge.
+    # Split rows (`rows_of_columns`, reshapes): the merge reads each row's splits contiguously.
     acc_q, m_q, l_q = rows_of_columns(acc_q, m_q, l_q, streams=streams, group=group)
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
 
