@@ -1402,9 +1402,7 @@ def paged_decode(
     if fp_part is not None:
         acc_fp, m_fp, l_fp = fp_part
     else:
-        fp_cfg = dataclasses.replace(
-            cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1
-        )
+        fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
         acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
             fp_cfg, qg, None, None, fp_set, None, interpret=False, num_warps=num_warps,
             num_stages=num_stages,
