@@ -284,7 +284,9 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
         (128, "dims", st, "bulk", "values", "last", None, "s8")
         for st in ("no_value_operand", "no_pt_store", "no_rescale", "half_value_mma")
     ]
-    runs += [(128, "dims", "loads", "bulk", "none", "last", None, "asm")]
+    runs += [
+        (128, "dims", st, "bulk", "none", "last", None, "asm") for st in ("loads", "loads_codes")
+    ]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):
