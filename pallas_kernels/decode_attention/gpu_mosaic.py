@@ -112,11 +112,8 @@ MASKS = ("last", "every")
 # "fused", one Pallas Triton kernel from the queries as they come (convert, pad, query
 # transform, 8-bit split and layout: `query_prologue`); "triton", the same kernel after the
 # API's convert and `head_matmul` (runs 91-92, H100: -3 to -5 us per batch-1 call against
-# "xla"); "xla", the operands in XLA ops (five small fusions); "fused_fp", "fused" whose
-# programs also attend over their head's sink/recent pages (no kernel of their own for them).
-PROLOGUES = ("fused", "fused_fp", "triton", "xla")
-# Full-precision pages per step of the "fused_fp" prologue's loop (64 tokens of 16-token pages).
-PROLOGUE_FP_PAGES_PER_BLOCK = 4
+# "xla"); "xla", the operands in XLA ops (five small fusions).
+PROLOGUES = ("fused", "triton", "xla")
 # int_to_float="s8" keeps key codes integers: signed 8-bit MMA operands, one shift and one mask
 # per four codes; the query split into high and low 8-bit parts, q ~ s_q (hi + lo / 254), side
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
@@ -340,21 +337,17 @@ def query_operands(
     return qs, qmeta
 
 
-def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg, has_fp):
+def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg):
     """One (sequence, KV head): its group's query rows (times the head's query transform where
     given: a broadcast multiply and column sum, exact float32 products as HIGHEST asks, with no
     16-row minimum), then `query_operands`' s8 rows and metadata, each output row selected from
     the query row that feeds it and split in the twin's operations; with ``has_qg`` also the
-    transformed rows as float32, zero past the group (the sink/recent kernel's query); with
-    ``has_fp`` the partial of the head's full-precision pages (sink and recent windows) as the
-    Triton body's full-precision loop computes it, one split."""
+    transformed rows as float32, zero past the group (the sink/recent kernel's query)."""
     it = iter(refs)
     x_ref = next(it)
     mat = next(it)[...] if has_mat else None
-    fp_refs = tuple(next(it) for _ in range(4)) if has_fp else None
     qg_ref = next(it) if has_qg else None
     qs_ref, qmeta_ref = next(it), next(it)
-    acc_ref, m_ref, l_ref = (next(it) for _ in range(3)) if has_fp else (None,) * 3
     d = x_ref.shape[-1]
     query = []
     for g in range(group):
@@ -384,20 +377,6 @@ def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, ha
     valid = (w < 2 * n_pad) & (g < group)
     _, _, sq, total = split_query_s8(select(g, valid) * scale_log2, _round_half_up)
     qmeta_ref[...] = jnp.where(valid, jnp.where(w < n_pad, sq[:, 0], total), 0.0)
-    if has_fp:
-        k_ref, v_ref, tab_ref, len_ref = fp_refs
-        gp = acc_ref.shape[0]  # the Triton dot's 16-row minimum; rows past the group are zero
-        r = jnp.arange(gp, dtype=jnp.int32)
-        state = (jnp.full((gp,), da.NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
-                 (jnp.zeros((gp, d), jnp.float32),))  # fmt: skip
-        m_i, l_i, (acc,) = gpu_triton.attend_fp_pages(
-            select(r, r < group), k_ref, v_ref, tab_ref, len_ref[0], 0, state,
-            pages_per_block=PROLOGUE_FP_PAGES_PER_BLOCK, scale_log2=scale_log2,
-        )  # fmt: skip
-        real = r < group  # the partial arrays hold the group's rows: the blocks overhang them
-        plgpu_triton.store(acc_ref, acc, mask=real[:, None])
-        plgpu_triton.store(m_ref, m_i, mask=real)
-        plgpu_triton.store(l_ref, l_i, mask=real)
 
 
 def _prologue_call(
@@ -410,9 +389,7 @@ def _prologue_call(
     n_pad: int,
     streams: int,
     interpret: bool,
-    fp_set: tuple | None = None,  # (k, v [P, Hkv, page, d], table i32[B, pps], len i32[B])
 ) -> tuple[jax.Array, ...]:
-    """Outputs: [qg,] qs, qmeta[, acc f32[B, Hkv, 1, group, d], m, l f32[B, Hkv, 1, group]]."""
     b, hkv, r, d = x.shape
     rows = streams * 2 * n_pad
     if rows & (rows - 1) or group > min(r, n_pad // streams):
@@ -423,19 +400,12 @@ def _prologue_call(
     kernel = functools.partial(
         _query_prologue_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
         streams=streams, has_mat=mat is not None, has_qg=group_pad is not None,
-        has_fp=fp_set is not None,
     )  # fmt: skip
     in_specs = [pl.BlockSpec((None, None, r, d), lambda bi, h: (bi, h, 0, 0))]
     operands = [x]
     if mat is not None:
         in_specs.append(pl.BlockSpec((None, d, d), lambda bi, h: (h, 0, 0)))
         operands.append(mat)
-    if fp_set is not None:
-        k, v, tab, lens = fp_set
-        pool = pl.BlockSpec((k.shape[0], None, k.shape[2], d), lambda bi, h: (0, h, 0, 0))
-        in_specs += [pool, pool, pl.BlockSpec((None, tab.shape[1]), lambda bi, h: (bi, 0))]
-        in_specs.append(pl.BlockSpec((None, 1), lambda bi, h: (bi, 0)))
-        operands += [k, v, tab, lens.reshape(b, 1)]
     out_specs = [
         pl.BlockSpec((None, None, rows, d), lambda bi, h: (bi, h, 0, 0)),
         pl.BlockSpec((None, None, _COPY_WORDS), lambda bi, h: (bi, h, 0)),
@@ -447,12 +417,6 @@ def _prologue_call(
     if group_pad is not None:
         out_specs.insert(0, pl.BlockSpec((None, None, group_pad, d), lambda bi, h: (bi, h, 0, 0)))
         out_shape.insert(0, jax.ShapeDtypeStruct((b, hkv, group_pad, d), jnp.float32))
-    if fp_set is not None:
-        gp = gpu_triton.MIN_GROUP_PAD
-        out_specs.append(pl.BlockSpec((None, None, None, gp, d), lambda bi, h: (bi, h, 0, 0, 0)))
-        out_specs += [pl.BlockSpec((None, None, None, gp), lambda bi, h: (bi, h, 0, 0))] * 2
-        out_shape.append(jax.ShapeDtypeStruct((b, hkv, 1, group, d), jnp.float32))
-        out_shape += [jax.ShapeDtypeStruct((b, hkv, 1, group), jnp.float32)] * 2
     return pl.pallas_call(
         kernel,
         grid=(b, hkv),
@@ -461,7 +425,7 @@ def _prologue_call(
         out_shape=out_shape,
         # 8 warps: a [d, d] float32 transform is 64 registers a thread at d = 128.
         compiler_params=plgpu_triton.CompilerParams(
-            num_warps=8 if mat is not None else 4, num_stages=1 if fp_set is None else 2
+            num_warps=8 if mat is not None else 4, num_stages=1
         ),
         interpret=interpret,
         name="paged_decode_query_prologue" if mat is not None else "paged_decode_query_operands",
@@ -504,8 +468,7 @@ def query_prologue(
     streams: int,
     key_operand: str = "s8",
     interpret: bool = False,
-    fp_set: tuple | None = None,
-) -> tuple[jax.Array | None, tuple[jax.Array, jax.Array], tuple | None]:
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The transformed-frame queries ``qg`` f32[B, Hkv, group_pad, d] (rows past the group
     zero; the sink/recent kernel's operand) and the split kernel's ``(qs, qmeta)``
     (`query_operands`) from the queries as they come. With s8 keys and ``d`` up to
@@ -513,37 +476,21 @@ def query_prologue(
     float32 convert, the padding, the query transform and the 8-bit split (`prologue`
     ``"fused"``: at 8 x 32k on the H100 these were three kernels, 8.6 us of a ~100 us call,
     run 102); otherwise the same in XLA ops, `gpu_triton.head_matmul` and
-    `query_operands_s8`/`query_operands`.
-
-    ``fp_set`` (k, v [P, Hkv, page, d], table i32[B, S, pps], len i32[B]): the same kernel
-    also attends over these pages (all splits as one), and the third result is their
-    partial (acc f32[B, Hkv, 1, group, d], m, l f32[B, Hkv, 1, group]) with ``qg`` None;
-    where the kernel does not apply, the third result is None and ``qg`` is returned."""
+    `query_operands_s8`/`query_operands`."""
     b, hkv, group, d = q.shape
     if key_operand == "s8" and d <= FUSED_PROLOGUE_MAX_DIM:
-        fp_flat = None
-        if fp_set is not None:
-            k, v, tab, lens = fp_set
-            fp_flat = (k, v, tab.reshape(b, -1), lens)
-        outs = _prologue_call(
-            q, query_transform, group=group, group_pad=None if fp_set else group_pad,
-            scale_log2=scale_log2, n_pad=n_pad, streams=streams, interpret=interpret,
-            fp_set=fp_flat,
+        qg, qs, qmeta = _prologue_call(
+            q, query_transform, group=group, group_pad=group_pad, scale_log2=scale_log2,
+            n_pad=n_pad, streams=streams, interpret=interpret,
         )  # fmt: skip
-        if fp_set is None:
-            qg, qs, qmeta = outs
-            fp_part = None
-        else:
-            qg, (qs, qmeta, *fp_part) = None, outs
-            fp_part = tuple(fp_part)
-        return qg, (qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta), fp_part
+        return qg, (qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta)
     qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     if query_transform is not None:
         qg = gpu_triton.head_matmul(qg, query_transform, interpret=interpret)
     kw = dict(group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams)
     if key_operand == "s8":
-        return qg, query_operands_s8(qg, **kw, interpret=interpret), None
-    return qg, query_operands(qg, **kw, key_operand=key_operand), None
+        return qg, query_operands_s8(qg, **kw, interpret=interpret)
+    return qg, query_operands(qg, **kw, key_operand=key_operand)
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
@@ -934,7 +881,7 @@ def _split_call(kernel, scratch: dict, shape: tuple[int, ...], *, auto_barriers:
 
 
 def lowbit_partials(
-    qg: jax.Array | None,  # f32[B, Hkv, Gp, d] transformed-frame queries (Gp <= GROUP_PAD)
+    qg: jax.Array,  # f32[B, Hkv, Gp, d] transformed-frame queries (any Gp <= GROUP_PAD)
     lowbit_set: tuple,  # (kc, vc, ks, kz, vs, vz, table i32[B, S, pps], len i32[B])
     *,
     bits: int,
@@ -971,11 +918,10 @@ def lowbit_partials(
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
     ``prologue``: `PROLOGUES` (how the query operands are built from ``qg``: XLA ops, or with
     s8 keys the `query_operands_s8` kernel; ``"fused"`` takes the latter here).
-    ``operands``: ``(qs, qmeta)`` already built (`query_prologue`; ``qg`` may be None), or
-    None.
+    ``operands``: ``(qs, qmeta)`` already built from ``qg`` (`query_prologue`), or None.
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
-    b, hkv, *_, d = (qg if operands is None else operands[0]).shape
+    b, hkv, gp, d = qg.shape
     bits_v = bits if bits_v is None else bits_v
     n = layout.codes_per_byte(bits)
     width = d // n
@@ -1381,8 +1327,7 @@ def paged_decode(
     splits, `FP_PAGES_PER_SPLIT`); the low-bit set in split rows (`rows_of_columns`: each
     token stream a split of its own).
     `merge_splits` takes the pairs: no concatenation."""
-    fused = cfg.prologue in ("fused", "fused_fp")
-    if value_inverse is not None or (query_transform is not None and not fused):
+    if value_inverse is not None or (query_transform is not None and cfg.prologue != "fused"):
         raise ValueError(
             "the GPU split kernel takes no transforms but the fused prologue's query "
             "transform; use head_matmul and the merge kernel around it"
@@ -1391,22 +1336,25 @@ def paged_decode(
         raise ValueError("the Mosaic GPU body has no interpret mode; use backend='gpu'")
     group = cfg.group if cfg.group is not None else qg.shape[2]
     n_pad, streams = mma_columns(group, lowbit_set[0].shape[2])
-    operands = fp_part = None
-    if fused:  # qg: [B, Hkv, group, d] as the queries come
-        qg, operands, fp_part = query_prologue(
+    operands = None
+    if cfg.prologue == "fused":  # qg: [B, Hkv, group, d] as the queries come
+        qg, operands = query_prologue(
             qg, query_transform, group_pad=cfg.group_pad, scale_log2=cfg.scale_log2,
             n_pad=n_pad, streams=streams,
             key_operand="s8" if cfg.int_to_float.startswith("s8") else "f16",
-            fp_set=fp_set if cfg.prologue == "fused_fp" else None,
         )  # fmt: skip
-    if fp_part is not None:
-        acc_fp, m_fp, l_fp = fp_part
-    else:
-        fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
-        acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
-            fp_cfg, qg, None, None, fp_set, None, interpret=False, num_warps=num_warps,
-            num_stages=num_stages,
-        )  # fmt: skip
+    fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
+    acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
+        fp_cfg,
+        qg,
+        None,
+        None,
+        fp_set,
+        None,
+        interpret=False,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     acc_q, m_q, l_q = lowbit_partials(
         qg,
         lowbit_set,

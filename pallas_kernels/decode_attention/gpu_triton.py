@@ -151,55 +151,6 @@ def _n_blocks(length, start, tokens_per_block: int, max_blocks: int):
     return jnp.clip(n, 0, max_blocks)
 
 
-def attend_fp_pages(
-    q: jax.Array,  # f32[Gp, d] transformed-frame query rows, not yet scaled
-    k_ref,  # [P, page, d] one KV head's full-precision pages
-    v_ref,
-    tab_ref,  # i32[pps] the pages in token order
-    length,  # valid tokens of the whole page list (scalar)
-    start,  # the first page's first token (scalar): a split's offset
-    state: tuple,  # (m f32[Gp], l f32[Gp], n x acc f32[Gp, d / n]) to continue
-    *,
-    pages_per_block: int,
-    scale_log2: float,
-) -> tuple:
-    """Online softmax over full-precision pages, ``pages_per_block`` pages a step, from
-    ``state``; returns the new ``(m, l, accs)`` (base 2, unnormalised). The table may be
-    shorter than whole steps: entries past it read page 0, masked by ``length``."""
-    m_i, l_i, accs = state
-    n = len(accs)
-    w = accs[0].shape[1]
-    pps = tab_ref.shape[0]
-    page, d = k_ref.shape[1], k_ref.shape[2]
-    t = pages_per_block * page
-    q_lo = q.astype(k_ref.dtype)
-    whole = pps % pages_per_block == 0
-
-    def body(j, carry):
-        m_prev, l_prev, acc = carry
-        idx = j * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-        if whole:
-            pages = tab_ref[pl.ds(j * pages_per_block, pages_per_block)]  # i32[ppb]
-        else:
-            pages = plgpu.load(tab_ref.at[pl.ds(j * pages_per_block, pages_per_block)],
-                               mask=idx < pps, other=0)  # fmt: skip
-        vrow, vcol = _valid(start + j * t, length, t)
-        k = k_ref[pages].reshape(t, d)
-        k = jnp.where(vcol, k, 0)  # unused slots may hold NaN
-        logits = da._dot_nt(q_lo, k) * scale_log2  # [Gp, T]
-        p, m_new, alpha, l_new = da.tile_softmax_step(logits, vrow, m_prev, l_prev)
-        p_lo = p.astype(v_ref.dtype)
-        new = []
-        for i in range(n):
-            v = v_ref[pages, :, pl.ds(i * w, w)].reshape(t, w)
-            v = jnp.where(vcol, v, 0)
-            new.append(acc[i] * alpha[:, None] + da._dot_nn(p_lo, v))
-        return m_new, l_new, tuple(new)
-
-    nb = _n_blocks(length, start, t, -(-pps // pages_per_block))
-    return jax.lax.fori_loop(0, nb, body, (m_i, l_i, tuple(accs)))
-
-
 def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
     it = iter(refs)
     q_ref = next(it)  # f32[Gp, d], already in the transformed frame (see `head_matmul`)
@@ -210,7 +161,7 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
         )
     o_ref, m_ref, l_ref = (next(it) for _ in range(3))
 
-    n, w = cfg.n_chunks, cfg.chunk
+    d, n, w = cfg.head_dim, cfg.n_chunks, cfg.chunk
     ppb, page = cfg.pages_per_block, cfg.page_size
     t = ppb * page
     gp = cfg.group_pad
@@ -226,15 +177,36 @@ def _kernel(*refs, cfg: da.DecodeConfig, has_lowbit: bool, interpret: bool):
     accs = tuple(jnp.zeros((gp, w), jnp.float32) for _ in range(n))
 
     # ---- full-precision pages (sink + recent; the whole cache for the BF16 baseline) -------
+    fp_len = fplen_ref[0]
+    fp_pps = fptab_ref.shape[0]
+    fp_start = split * fp_pps * page
+    q_fp = q_full.astype(kfp_ref.dtype)
     # Beside a low-bit segment the full-precision tiles stay small: Triton sizes shared memory
     # for the whole kernel, and [T, d] BF16 tiles (32 KB each at T = d = 128, multi-buffered)
     # held the mixed kernel to 2 programs per SM (H200 run 8: 102 KB per program) although
     # this loop only covers the few hundred sink + recent tokens.
     fp_ppb = min(ppb, MIXED_FP_PAGES_PER_BLOCK) if has_lowbit else ppb
-    m_i, l_i, accs = attend_fp_pages(
-        q_full, kfp_ref, vfp_ref, fptab_ref, fplen_ref[0], split * fptab_ref.shape[0] * page,
-        (m_i, l_i, accs), pages_per_block=fp_ppb, scale_log2=cfg.scale_log2,
-    )  # fmt: skip
+    fp_t = fp_ppb * page
+
+    def fp_body(j, carry):
+        m_prev, l_prev, acc = carry
+        pages = fptab_ref[pl.ds(j * fp_ppb, fp_ppb)]  # i32[fp_ppb]
+        tok0 = fp_start + j * fp_t
+        vrow, vcol = _valid(tok0, fp_len, fp_t)
+        k = kfp_ref[pages].reshape(fp_t, d)
+        k = jnp.where(vcol, k, 0)  # unused slots may hold NaN
+        logits = da._dot_nt(q_fp, k) * cfg.scale_log2  # [Gp, T]
+        p, m_new, alpha, l_new = da.tile_softmax_step(logits, vrow, m_prev, l_prev)
+        p_lo = p.astype(vfp_ref.dtype)
+        new = []
+        for i in range(n):
+            v = vfp_ref[pages, :, pl.ds(i * w, w)].reshape(fp_t, w)
+            v = jnp.where(vcol, v, 0)
+            new.append(acc[i] * alpha[:, None] + da._dot_nn(p_lo, v))
+        return m_new, l_new, tuple(new)
+
+    nb = _n_blocks(fp_len, fp_start, fp_t, fp_pps // fp_ppb)
+    m_i, l_i, accs = jax.lax.fori_loop(0, nb, fp_body, (m_i, l_i, accs))
 
     # ---- low-bit pages ----------------------------------------------------------------------
     if has_lowbit:

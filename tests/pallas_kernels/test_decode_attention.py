@@ -545,10 +545,6 @@ MOSAIC_CASES = (
 )
 
 
-# (Hkv, group, d, bits) of the "fused_fp" prologue's GPU cases: GQA 1 / 4 / 8, d 128 / 256.
-_PROLOGUE_FP_SHAPES = {(1, 1, 128, 2), (8, 4, 128, 2), (2, 8, 128, 4), (2, 4, 256, 2)}
-
-
 class TestDecodeAttentionMosaic:
     """The Mosaic GPU body against the reference on the same codes (GPU hardware only)."""
 
@@ -578,27 +574,6 @@ class TestDecodeAttentionMosaic:
         live = [b for b in range(case.batch) if case.fp_lens[b] + case.lowbit_lens[b] > 0]
         for b in set(range(case.batch)) - set(live):
             np.testing.assert_array_equal(np.asarray(out[b]), 0.0)
-        err = _rel_err(out[jnp.asarray(live)], ref[jnp.asarray(live)])
-        assert err < TOL[case.fp_dtype], f"{case=} rel err {err:.2e}"
-
-    @pytest.mark.parametrize(
-        "case",
-        [
-            c for c in MOSAIC_CASES
-            if c.value_layout == "dims" and c.gather is c.int_to_float is c.bits_v is None
-            and (c.kv_heads, c.group, c.head_dim, c.bits) in _PROLOGUE_FP_SHAPES
-        ],
-        ids=str,
-    )  # fmt: skip
-    def test_sink_recent_pages_in_the_prologue_match_reference(self, case: Case):
-        """Prologue "fused_fp": the full-precision pages attended in the query prologue."""
-        x = make_inputs(case, seed=2)
-        kw = dict(bits=case.bits, bits_v=case.bits_v, sm_scale=case.head_dim**-0.5,
-                  value_layout=case.value_layout)  # fmt: skip
-        ref = da.ref_decode_attention(**x, **kw)
-        out = da.decode_attention_variant(**x, **kw, backend="gpu_mosaic", prologue="fused_fp")
-        assert bool(jnp.isfinite(out).all()), "NaN from an unused page reached the output"
-        live = [b for b in range(case.batch) if case.fp_lens[b] + case.lowbit_lens[b] > 0]
         err = _rel_err(out[jnp.asarray(live)], ref[jnp.asarray(live)])
         assert err < TOL[case.fp_dtype], f"{case=} rel err {err:.2e}"
 
@@ -1234,7 +1209,7 @@ def test_mosaic_fused_query_prologue_matches_its_unfused_twin(
     q = q.at[1, 0].set(0)  # a head whose queries are all zero
     mat = jax.random.normal(k2, (hkv, d, d)) / np.sqrt(d) if transform else None
     kw = dict(scale_log2=0.3, n_pad=n_pad, streams=streams)
-    qg, (qs, qmeta), _ = gm.query_prologue(
+    qg, (qs, qmeta) = gm.query_prologue(
         q, mat, group_pad=gp, **kw, key_operand=key_operand, interpret=True
     )
     want = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, gp - group), (0, 0)))
@@ -1266,62 +1241,3 @@ def test_mosaic_fused_query_prologue_matches_its_unfused_twin(
 @pytest.mark.parametrize("case", _OVERLAP_CASES[:2], ids=str)
 def test_mosaic_query_prologue_kernel_gives_the_xla_prologue_s_partials(case: Case):
     _check_schedule(case, dict(prologue="triton"), dict(prologue="xla"), run=True)
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(batch=3, kv_heads=2, group=4, head_dim=128, fp_dtype="bfloat16",
-             fp_lens=(300, 0, 77)),
-        Case(batch=2, kv_heads=1, group=3, head_dim=64, fp_dtype="bfloat16", fp_lens=(16, 130),
-             transforms=False),
-    ],
-    ids=str,
-)  # fmt: skip
-def test_mosaic_prologue_attends_the_sink_recent_pages_as_the_triton_body(case: Case):
-    """The "fused_fp" prologue's full-precision partial (one split, 64-token steps; tables
-    not a whole number of steps, empty and ragged sequences, NaN-poisoned unused pages)
-    against the Triton body's full-precision kernel on the unfused prologue's queries, in
-    3 splits of 1-page steps: the same softmax over another tiling, so the merged outputs
-    agree to the bfloat16 rounding of the probabilities (~2^-9 relative each)."""
-    from pallas_kernels.decode_attention import gpu_mosaic as gm
-    from pallas_kernels.decode_attention import gpu_triton as gt
-
-    x = make_inputs(case, seed=6)
-    fp = x["fp"]
-    b, hkv, g, d = case.batch, case.kv_heads, case.group, case.head_dim
-    q = x["q"].reshape(b, hkv, g, d)
-    qt = None if x["transforms"] is None else x["transforms"].query
-    kw = dict(group_pad=16, scale_log2=0.3, n_pad=8, streams=2, interpret=True)
-    fp_set = (fp.k, fp.v, da_api.split_table(fp.table, 3, 1), fp.length)
-    qg_none, ops, part = gm.query_prologue(q, qt, fp_set=fp_set, **kw)
-    qg, ops_twin, none = gm.query_prologue(q, qt, **kw)
-    assert qg_none is None and none is None
-    for a, a_twin in zip(ops, ops_twin):  # the split kernel's operands do not change
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(a_twin))
-    acc, m, l = part
-    assert acc.shape == (b, hkv, 1, g, d) and m.shape == l.shape == (b, hkv, 1, g)
-    cfg = da_tiles.DecodeConfig(
-        head_dim=d, page_size=case.page, group_pad=16, n_chunks=1, bits=None, group_size=None,
-        scale_log2=0.3, pages_per_block=1, has_query_transform=False, has_value_inverse=False,
-        group=g,
-    )  # fmt: skip
-    twin = gt.paged_decode(cfg, qg, None, None, fp_set, None, interpret=True,
-                           num_warps=None, num_stages=None)  # fmt: skip
-    got, want = da_api._merge_partials(acc, m, l), da_api._merge_partials(*twin)
-    assert np.isfinite(np.asarray(got)).all()
-    empty = np.asarray(fp.length) == 0
-    assert np.all(np.asarray(got)[empty] == 0)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-2)
-    assert _rel_err(got, want) < 4e-3
-
-
-def test_mosaic_prologue_with_sink_recent_pages_lowers_for_cuda():
-    case = _OVERLAP_CASES[0]
-    x = make_inputs(case)
-    f = functools.partial(
-        da.decode_attention_variant, bits=case.bits, sm_scale=0.1, value_layout="dims",
-        backend="gpu_mosaic", prologue="fused_fp",
-    )  # fmt: skip
-    text = jax.jit(f).trace(**x).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "paged_decode_query_prologue" in text
