@@ -143,17 +143,9 @@ STREAMS = (1, 2)
 # 64-byte swizzle: a 2-bit value plane's 32 tokens are one swizzle column.
 P_SWIZZLE = 64
 STAGES = 3
-# Lane-level TMA copies move multiples of 128 bytes: the split kernel copies its split's page
-# table entries 32 at a time from the flat table.
+# Lane-level TMA copies move multiples of 128 bytes: a table row (a split's pages, then its
+# valid-token count) is padded to 32 int32 entries.
 _COPY_WORDS = 32
-# The query metadata row of a (sequence, KV head), f32[QMETA_WORDS]: each MMA column's query
-# scale (words [0, N)), its reconstruction's sum ([N, 2N)), zeros up to 2 * GROUP_PAD, then
-# the sequence's low-bit token count (`LEN_WORD`, exact as float32 below 2^24): the split
-# kernel takes its split's count from it, so no per-call table of counts is built in XLA
-# (a concatenate kernel, 1.7 us at 8 x 32k, run 104).
-QMETA_WORDS = 2 * _COPY_WORDS
-LEN_WORD = 2 * 16
-MAX_LOWBIT_TOKENS = 1 << 24
 
 
 def supports(*, head_dim: int, bits: int, group_size: int, group: int, page_size: int) -> bool:
@@ -316,20 +308,16 @@ def query_operands(
     n_pad: int,
     streams: int,
     key_operand: str = "s8",
-    lens: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The split kernel's query operands in XLA ops: ``qs``, the query times ``scale_log2``
     once per token stream in that stream's MMA columns (s8 keys: int8[B, Hkv, streams, 2N, d],
     high parts in rows ``t N/streams + g``, low parts N rows further; float16 keys:
-    f16[B, Hkv, streams, N, d]), and ``qmeta`` f32[B, Hkv, QMETA_WORDS] (s8 keys: each
-    column's query scale, then its reconstruction's sum; zeros otherwise; ``lens`` i32[B], the
-    low-bit token counts, at `LEN_WORD`)."""
+    f16[B, Hkv, streams, N, d]), and ``qmeta`` f32[B, Hkv, 32] (s8 keys: each column's query
+    scale, then its reconstruction's sum; zeros otherwise)."""
     b, hkv, _, d = qg.shape
     gcol = n_pad // streams
     eye = jnp.eye(streams, dtype=jnp.float32)
-    qmeta = jnp.zeros((b, hkv, QMETA_WORDS), jnp.float32)
-    if lens is not None:
-        qmeta = qmeta.at[..., LEN_WORD].set(lens.astype(jnp.float32)[:, None])
+    qmeta = jnp.zeros((b, hkv, _COPY_WORDS), jnp.float32)
     if key_operand == "s8":
         hi, lo, sq, total = split_query_s8(qg[:, :, :group] * scale_log2)
         parts = jnp.stack([hi, lo], axis=2).astype(jnp.float32)  # [B, Hkv, 2, group, d]
@@ -349,17 +337,15 @@ def query_operands(
     return qs, qmeta
 
 
-def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg, has_len):
+def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg):
     """One (sequence, KV head): its group's query rows (times the head's query transform where
     given: a broadcast multiply and column sum, exact float32 products as HIGHEST asks, with no
     16-row minimum), then `query_operands`' s8 rows and metadata, each output row selected from
     the query row that feeds it and split in the twin's operations; with ``has_qg`` also the
-    transformed rows as float32, zero past the group (the sink/recent kernel's query); with
-    ``has_len`` the sequence's low-bit token count at `LEN_WORD` of the metadata."""
+    transformed rows as float32, zero past the group (the sink/recent kernel's query)."""
     it = iter(refs)
     x_ref = next(it)
     mat = next(it)[...] if has_mat else None
-    length = next(it)[0] if has_len else 0
     qg_ref = next(it) if has_qg else None
     qs_ref, qmeta_ref = next(it), next(it)
     d = x_ref.shape[-1]
@@ -385,14 +371,12 @@ def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, ha
     valid = (g >= 0) & (g < group)
     hi, lo, _, _ = split_query_s8(select(g, valid) * scale_log2, _round_half_up)
     qs_ref[...] = jnp.where(valid[:, None], jnp.where((i < n_pad)[:, None], hi, lo), 0)
-    # Word c < N: column c's scale; word N + c: its reconstruction's sum; zeros after 2N but
-    # the token count.
+    # Word c < N: column c's scale; word N + c: its reconstruction's sum; zeros after 2N.
     w = jnp.arange(qmeta_ref.shape[0], dtype=jnp.int32)
     g = jnp.where(w < n_pad, w, w - n_pad) % gcol
     valid = (w < 2 * n_pad) & (g < group)
     _, _, sq, total = split_query_s8(select(g, valid) * scale_log2, _round_half_up)
-    words = jnp.where(valid, jnp.where(w < n_pad, sq[:, 0], total), 0.0)
-    qmeta_ref[...] = jnp.where(w == LEN_WORD, jnp.asarray(length).astype(jnp.float32), words)
+    qmeta_ref[...] = jnp.where(valid, jnp.where(w < n_pad, sq[:, 0], total), 0.0)
 
 
 def _prologue_call(
@@ -405,7 +389,6 @@ def _prologue_call(
     n_pad: int,
     streams: int,
     interpret: bool,
-    lens: jax.Array | None = None,  # i32[B] low-bit token counts, or None (zero)
 ) -> tuple[jax.Array, ...]:
     b, hkv, r, d = x.shape
     rows = streams * 2 * n_pad
@@ -417,23 +400,19 @@ def _prologue_call(
     kernel = functools.partial(
         _query_prologue_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
         streams=streams, has_mat=mat is not None, has_qg=group_pad is not None,
-        has_len=lens is not None,
     )  # fmt: skip
     in_specs = [pl.BlockSpec((None, None, r, d), lambda bi, h: (bi, h, 0, 0))]
     operands = [x]
     if mat is not None:
         in_specs.append(pl.BlockSpec((None, d, d), lambda bi, h: (h, 0, 0)))
         operands.append(mat)
-    if lens is not None:
-        in_specs.append(pl.BlockSpec((None, 1), lambda bi, h: (bi, 0)))
-        operands.append(lens.astype(jnp.int32).reshape(b, 1))
     out_specs = [
         pl.BlockSpec((None, None, rows, d), lambda bi, h: (bi, h, 0, 0)),
-        pl.BlockSpec((None, None, QMETA_WORDS), lambda bi, h: (bi, h, 0)),
+        pl.BlockSpec((None, None, _COPY_WORDS), lambda bi, h: (bi, h, 0)),
     ]
     out_shape = [
         jax.ShapeDtypeStruct((b, hkv, rows, d), jnp.int8),
-        jax.ShapeDtypeStruct((b, hkv, QMETA_WORDS), jnp.float32),
+        jax.ShapeDtypeStruct((b, hkv, _COPY_WORDS), jnp.float32),
     ]
     if group_pad is not None:
         out_specs.insert(0, pl.BlockSpec((None, None, group_pad, d), lambda bi, h: (bi, h, 0, 0)))
@@ -461,7 +440,6 @@ def query_operands_s8(
     n_pad: int,
     streams: int,
     interpret: bool = False,
-    lens: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """`query_operands` (s8 keys) as one Pallas Triton kernel, one program per (sequence, KV
     head): at batch 1 XLA spends five small kernels on it (run 90: ~7 us of a 43.5 us call at
@@ -469,7 +447,7 @@ def query_operands_s8(
     b, hkv = qg.shape[:2]
     qs, qmeta = _prologue_call(
         qg, None, group=group, group_pad=None, scale_log2=scale_log2, n_pad=n_pad,
-        streams=streams, interpret=interpret, lens=lens,
+        streams=streams, interpret=interpret,
     )  # fmt: skip
     return qs.reshape(b, hkv, streams, 2 * n_pad, qg.shape[-1]), qmeta
 
@@ -490,7 +468,6 @@ def query_prologue(
     streams: int,
     key_operand: str = "s8",
     interpret: bool = False,
-    lens: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The transformed-frame queries ``qg`` f32[B, Hkv, group_pad, d] (rows past the group
     zero; the sink/recent kernel's operand) and the split kernel's ``(qs, qmeta)``
@@ -499,13 +476,12 @@ def query_prologue(
     float32 convert, the padding, the query transform and the 8-bit split (`prologue`
     ``"fused"``: at 8 x 32k on the H100 these were three kernels, 8.6 us of a ~100 us call,
     run 102); otherwise the same in XLA ops, `gpu_triton.head_matmul` and
-    `query_operands_s8`/`query_operands`. ``lens`` i32[B]: the low-bit token counts the
-    split kernel reads from ``qmeta`` (`LEN_WORD`)."""
+    `query_operands_s8`/`query_operands`."""
     b, hkv, group, d = q.shape
     if key_operand == "s8" and d <= FUSED_PROLOGUE_MAX_DIM:
         qg, qs, qmeta = _prologue_call(
             q, query_transform, group=group, group_pad=group_pad, scale_log2=scale_log2,
-            n_pad=n_pad, streams=streams, interpret=interpret, lens=lens,
+            n_pad=n_pad, streams=streams, interpret=interpret,
         )  # fmt: skip
         return qg, (qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta)
     qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
@@ -513,8 +489,8 @@ def query_prologue(
         qg = gpu_triton.head_matmul(qg, query_transform, interpret=interpret)
     kw = dict(group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams)
     if key_operand == "s8":
-        return qg, query_operands_s8(qg, **kw, interpret=interpret, lens=lens)
-    return qg, query_operands(qg, **kw, key_operand=key_operand, lens=lens)
+        return qg, query_operands_s8(qg, **kw, interpret=interpret)
+    return qg, query_operands(qg, **kw, key_operand=key_operand)
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
@@ -523,15 +499,14 @@ _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, 
 def _kernel(
     q_gmem,  # f16[B, Hkv, streams, N, d] transformed query, times scale_log2, per stream
     # (s8 keys: int8[B, Hkv, streams, 2N, d], the high parts in rows [0, N), the low in [N, 2N))
-    qmeta_gmem,  # f32[B, Hkv, QMETA_WORDS]: s8 keys' query scale and sum(q) per column; the
-    # sequence's low-bit token count at LEN_WORD
+    qmeta_gmem,  # f32[B, Hkv, 32]: s8 keys' query scale per column, then sum(q) per column
     kc_gmem,  # u8[P, Hkv, page, W]
     vc_gmem,  # u8[P, Hkv, page, W] or [P, Hkv, d, page / n] (dims)
     ks_gmem,  # f16[P, Hkv, page]
     kz_gmem,
     vs_gmem,
     vz_gmem,
-    tab_gmem,  # i32[>= B * S * pps]: the split table [B, S, pps], flat
+    tab_gmem,  # i32[B, S, rows, 32]: pages of the split, then its valid-token count
     acc_gmem,  # f32[B, Hkv, S, N, d]
     m_gmem,  # f32[B, Hkv, S, N]
     l_gmem,  # f32[B, Hkv, S, N]
@@ -592,21 +567,14 @@ def _kernel(
                 q_gmem.at[bi, h, t, :, pl.ds(p * block, block)], q_smem.at[p, t], bar_in.at[0]
             )
     plgpu.copy_gmem_to_smem(qmeta_gmem.at[bi, h], qmeta_smem, bar_in.at[0])
-    # The split's pages, 32 entries a copy (a tensor-map copy: any start, zeros past the end;
-    # entries past the split are never read).
-    first = (bi * acc_gmem.shape[2] + si) * pages_per_split
-    for r in range(tab_smem.shape[0]):
-        src = tab_gmem.at[pl.ds(first + r * _COPY_WORDS, _COPY_WORDS)]
-        plgpu.copy_gmem_to_smem(src, tab_smem.at[r], bar_in.at[0])
+    plgpu.copy_gmem_to_smem(tab_gmem.at[bi, si], tab_smem, bar_in.at[0])
 
     plgpu.barrier_wait(bar_in.at[0])
 
     def table(i):  # the table row is [rows, 32]: a TMA box is at most 256 wide per dimension
         return tab_smem[i // _COPY_WORDS, lax.rem(i, _COPY_WORDS)]
 
-    split_tokens = pages_per_split * page
-    length = qmeta_smem[LEN_WORD].astype(jnp.int32)
-    count = jnp.clip(length - si * split_tokens, 0, split_tokens)
+    count = table(pages_per_split)
     n_steps = (count + tile - 1) // tile
 
     # A copy that promises in-bounds slices of contiguous bytes into an unswizzled tile is a
@@ -868,7 +836,7 @@ def _kernel(
 
 
 def _split_rows(tab: jax.Array, lens: jax.Array, page: int, row_pages: int) -> jax.Array:
-    """i32[B, S, rows, 32] table rows for the BF16 body's kernel: split s's pages (``tab`` i32[B, S,
+    """i32[B, S, rows, 32] table rows for the kernels: split s's pages (``tab`` i32[B, S,
     pps], zero-padded to ``row_pages``), then its valid-token count at index ``row_pages``."""
     b, s, pps = tab.shape
     start = jnp.arange(s, dtype=jnp.int32)[None, :] * (pps * page)
@@ -995,27 +963,19 @@ def lowbit_partials(
         raise ValueError(f"stage={stage!r} is a float16-value attribution row; {int_to_float=}")
     n_pad, streams = mma_columns(group, page, n_pad, streams)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
-    if kc.shape[0] * page > MAX_LOWBIT_TOKENS:
-        raise ValueError(
-            f"{kc.shape[0]} low-bit pages of {page} tokens: the split kernel reads token counts "
-            f"as float32, exact up to {MAX_LOWBIT_TOKENS} tokens"
-        )
     if operands is not None:
         qs, qmeta = operands
     elif prologue != "xla" and key_operand == "s8":
         qs, qmeta = query_operands_s8(
-            qg, group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams, lens=lens
+            qg, group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams
         )
     else:
         qs, qmeta = query_operands(
             qg, group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams,
-            key_operand=key_operand, lens=lens,
+            key_operand=key_operand,
         )  # fmt: skip
-    # Split s owns pages [s*pps, (s+1)*pps); the kernel copies them 32 at a time.
-    tab_flat = tab.reshape(-1)
-    if tab_flat.shape[0] < _COPY_WORDS:
-        tab_flat = jnp.pad(tab_flat, (0, _COPY_WORDS - tab_flat.shape[0]))
-    tab_rows = -(-pps // _COPY_WORDS)
+    # Valid tokens of split s: the split owns pages [s*pps, (s+1)*pps).
+    tab_ext = _split_rows(tab, lens, page, pps)
     metas = [a.reshape(a.shape[:3]) for a in (ks, kz, vs, vz)]  # [P, Hkv, page]
     meta_dtype = jnp.uint8 if meta_u8 else jnp.float16
     if any(a.dtype != meta_dtype for a in metas):
@@ -1087,19 +1047,18 @@ def lowbit_partials(
                 (n, streams, n_pad, width), jnp.float16, transforms=_swizzled(2 * width)
             )
         ),
-        qmeta_smem=plgpu.SMEM((QMETA_WORDS,), jnp.float32),
-        tab_smem=plgpu.SMEM((tab_rows, _COPY_WORDS), jnp.int32),
+        qmeta_smem=plgpu.SMEM((_COPY_WORDS,), jnp.float32),
+        tab_smem=plgpu.SMEM(tab_ext.shape[2:], jnp.int32),
         ring=ring,
         v16_smem=v16_smem,
         vec_smem=plgpu.SMEM((2, n_pad), jnp.float32),
         bar_in=plgpu.Barrier(
-            num_arrivals=(d // _S8_K if key_operand == "s8" else n) * streams + 1 + tab_rows,
-            num_barriers=1,
+            num_arrivals=(d // _S8_K if key_operand == "s8" else n) * streams + 2, num_barriers=1
         ),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
     acc, m, l = _split_call(kernel, scratch, (b, hkv, s, n_pad, d), auto_barriers=auto_barriers)(
-        qs, qmeta, kc, vc, *metas, tab_flat
+        qs, qmeta, kc, vc, *metas, tab_ext
     )
     if columns:
         return acc, m, l
@@ -1382,7 +1341,7 @@ def paged_decode(
         qg, operands = query_prologue(
             qg, query_transform, group_pad=cfg.group_pad, scale_log2=cfg.scale_log2,
             n_pad=n_pad, streams=streams,
-            key_operand="s8" if cfg.int_to_float.startswith("s8") else "f16", lens=lowbit_set[7],
+            key_operand="s8" if cfg.int_to_float.startswith("s8") else "f16",
         )  # fmt: skip
     fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
     acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
