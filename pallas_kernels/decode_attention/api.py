@@ -384,7 +384,7 @@ def decode_attention_variant(
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     # The "fused" prologue (Mosaic GPU) groups, converts and transforms the queries itself.
-    fused = prologue in ("fused", "fused_grid")
+    fused = prologue in getattr(mod, "FUSED_PROLOGUES", ())
     if fused:
         g = q.shape[1] // dims["hkv"]
         qg = q.reshape(dims["b"], dims["hkv"], g, dims["d"])

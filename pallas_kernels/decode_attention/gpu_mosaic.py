@@ -117,6 +117,8 @@ MASKS = ("last", "every")
 # (`_grid_kernel`) instead of by a Triton kernel of their own before it (built in session 32,
 # not yet run on a GPU).
 PROLOGUES = ("fused", "triton", "xla", "fused_grid")
+# The prologues that take the queries as they come (one Pallas Triton kernel transforms them).
+FUSED_PROLOGUES = ("fused", "fused_grid")
 # int_to_float="s8" keeps key codes integers: signed 8-bit MMA operands, one shift and one mask
 # per four codes; the query split into high and low 8-bit parts, q ~ s_q (hi + lo / 254), side
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
@@ -1432,7 +1434,7 @@ def paged_decode(
     `merge_splits` takes the pairs: no concatenation. Prologue ``"fused_grid"``, where the BF16
     body reads the full-precision pages: one set, both page sets' splits in one kernel's grid
     (`lowbit_partials`' ``fp_grid``; one full-precision split per sequence and head)."""
-    fused = cfg.prologue in ("fused", "fused_grid")
+    fused = cfg.prologue in FUSED_PROLOGUES
     if value_inverse is not None or (query_transform is not None and not fused):
         raise ValueError(
             "the GPU split kernel takes no transforms but the fused prologue's query "
