@@ -482,9 +482,6 @@ LOWBIT_VARIANTS: dict[str, tuple[int, dict, dict]] = {
     # Before session 31: the API's convert and head_matmul, then the operands kernel (three
     # kernels; the default "fused" prologue is one).
     "int2_mosaic_vdims_qtriton": _dims(2, prologue="triton"),
-    # The sink/recent pages read by the BF16 body as extra splits of the low-bit kernel's grid.
-    "int2_mosaic_vdims_grid": _dims(2, prologue="fused_grid"),
-    "int4_mosaic_vdims_grid": _dims(4, prologue="fused_grid"),
     # Sink/recent splits of 2 pages (batch 8 x 8 heads takes 1-page splits by default).
     "int2_mosaic_vdims_fp2": _dims(2, fp_pages_per_split=2),
     # Everything but the low-bit pages (their splits empty): the call's fixed cost and the

@@ -173,7 +173,12 @@ def fp_backend(dtype, head_dim: int, page_size: int) -> str:
         return "tpu"
     from pallas_kernels.decode_attention import gpu_mosaic
 
-    fits = gpu_mosaic.fp_body_supports(dtype, head_dim, page_size)
+    fits = (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 64 == 0
+        and head_dim <= 256
+        and gpu_mosaic.TILE % page_size == 0
+    )
     return "gpu_mosaic" if fits and _hopper() else "gpu"
 
 
@@ -384,7 +389,7 @@ def decode_attention_variant(
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     # The "fused" prologue (Mosaic GPU) groups, converts and transforms the queries itself.
-    fused = prologue in getattr(mod, "FUSED_PROLOGUES", ())
+    fused = prologue == "fused"
     if fused:
         g = q.shape[1] // dims["hkv"]
         qg = q.reshape(dims["b"], dims["hkv"], g, dims["d"])

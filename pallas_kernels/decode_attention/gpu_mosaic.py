@@ -112,13 +112,8 @@ MASKS = ("last", "every")
 # "fused", one Pallas Triton kernel from the queries as they come (convert, pad, query
 # transform, 8-bit split and layout: `query_prologue`); "triton", the same kernel after the
 # API's convert and `head_matmul` (runs 91-92, H100: -3 to -5 us per batch-1 call against
-# "xla"); "xla", the operands in XLA ops (five small fusions); "fused_grid", "fused" with the
-# sink/recent pages read by the BF16 body as extra splits of the low-bit kernel's grid
-# (`_grid_kernel`) instead of by a Triton kernel of their own before it (built in session 32,
-# not yet run on a GPU).
-PROLOGUES = ("fused", "triton", "xla", "fused_grid")
-# The prologues that take the queries as they come (one Pallas Triton kernel transforms them).
-FUSED_PROLOGUES = ("fused", "fused_grid")
+# "xla"); "xla", the operands in XLA ops (five small fusions).
+PROLOGUES = ("fused", "triton", "xla")
 # int_to_float="s8" keeps key codes integers: signed 8-bit MMA operands, one shift and one mask
 # per four codes; the query split into high and low 8-bit parts, q ~ s_q (hi + lo / 254), side
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
@@ -342,13 +337,12 @@ def query_operands(
     return qs, qmeta
 
 
-def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg, qg_scale=1.0):
+def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, has_qg):
     """One (sequence, KV head): its group's query rows (times the head's query transform where
     given: a broadcast multiply and column sum, exact float32 products as HIGHEST asks, with no
     16-row minimum), then `query_operands`' s8 rows and metadata, each output row selected from
     the query row that feeds it and split in the twin's operations; with ``has_qg`` also the
-    transformed rows times ``qg_scale`` in the output's dtype, zero past the group (the
-    sink/recent pages' query: float32 for the Triton kernel, the BF16 body's operand)."""
+    transformed rows as float32, zero past the group (the sink/recent kernel's query)."""
     it = iter(refs)
     x_ref = next(it)
     mat = next(it)[...] if has_mat else None
@@ -368,8 +362,7 @@ def _query_prologue_kernel(*refs, group, scale_log2, n_pad, streams, has_mat, ha
 
     if qg_ref is not None:
         r = jnp.arange(qg_ref.shape[0], dtype=jnp.int32)
-        rows_g = select(r, r < group)
-        qg_ref[...] = (rows_g if qg_scale == 1.0 else rows_g * qg_scale).astype(qg_ref.dtype)
+        qg_ref[...] = select(r, r < group)
     gcol = n_pad // streams
     rows = qs_ref.shape[0]  # streams * 2N: stream t's block, high parts then low parts
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -396,8 +389,6 @@ def _prologue_call(
     n_pad: int,
     streams: int,
     interpret: bool,
-    qg_dtype=jnp.float32,
-    qg_scale: float = 1.0,
 ) -> tuple[jax.Array, ...]:
     b, hkv, r, d = x.shape
     rows = streams * 2 * n_pad
@@ -409,7 +400,6 @@ def _prologue_call(
     kernel = functools.partial(
         _query_prologue_kernel, group=group, scale_log2=float(scale_log2), n_pad=n_pad,
         streams=streams, has_mat=mat is not None, has_qg=group_pad is not None,
-        qg_scale=float(qg_scale),
     )  # fmt: skip
     in_specs = [pl.BlockSpec((None, None, r, d), lambda bi, h: (bi, h, 0, 0))]
     operands = [x]
@@ -426,7 +416,7 @@ def _prologue_call(
     ]
     if group_pad is not None:
         out_specs.insert(0, pl.BlockSpec((None, None, group_pad, d), lambda bi, h: (bi, h, 0, 0)))
-        out_shape.insert(0, jax.ShapeDtypeStruct((b, hkv, group_pad, d), qg_dtype))
+        out_shape.insert(0, jax.ShapeDtypeStruct((b, hkv, group_pad, d), jnp.float32))
     return pl.pallas_call(
         kernel,
         grid=(b, hkv),
@@ -478,7 +468,6 @@ def query_prologue(
     streams: int,
     key_operand: str = "s8",
     interpret: bool = False,
-    fp_query_dtype=None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """The transformed-frame queries ``qg`` f32[B, Hkv, group_pad, d] (rows past the group
     zero; the sink/recent kernel's operand) and the split kernel's ``(qs, qmeta)``
@@ -487,18 +476,12 @@ def query_prologue(
     float32 convert, the padding, the query transform and the 8-bit split (`prologue`
     ``"fused"``: at 8 x 32k on the H100 these were three kernels, 8.6 us of a ~100 us call,
     run 102); otherwise the same in XLA ops, `gpu_triton.head_matmul` and
-    `query_operands_s8`/`query_operands`. ``fp_query_dtype`` (bfloat16 or float16): the first
-    result is the BF16 body's query operand instead, ``[B, Hkv, N, d]`` in that dtype times
-    ``scale_log2`` (`lowbit_partials`' ``fp_grid``)."""
+    `query_operands_s8`/`query_operands`."""
     b, hkv, group, d = q.shape
     if key_operand == "s8" and d <= FUSED_PROLOGUE_MAX_DIM:
-        fp_kw = {}
-        if fp_query_dtype is not None:
-            fp_kw = dict(qg_dtype=fp_query_dtype, qg_scale=scale_log2)
         qg, qs, qmeta = _prologue_call(
-            q, query_transform, group=group,
-            group_pad=group_pad if fp_query_dtype is None else n_pad, scale_log2=scale_log2,
-            n_pad=n_pad, streams=streams, interpret=interpret, **fp_kw,
+            q, query_transform, group=group, group_pad=group_pad, scale_log2=scale_log2,
+            n_pad=n_pad, streams=streams, interpret=interpret,
         )  # fmt: skip
         return qg, (qs.reshape(b, hkv, streams, 2 * n_pad, d), qmeta)
     qg = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
@@ -506,12 +489,8 @@ def query_prologue(
         qg = gpu_triton.head_matmul(qg, query_transform, interpret=interpret)
     kw = dict(group=group, scale_log2=scale_log2, n_pad=n_pad, streams=streams)
     if key_operand == "s8":
-        ops = query_operands_s8(qg, **kw, interpret=interpret)
-    else:
-        ops = query_operands(qg, **kw, key_operand=key_operand)
-    if fp_query_dtype is not None:
-        qg = (qg[:, :, :n_pad] * scale_log2).astype(fp_query_dtype)
-    return qg, ops
+        return qg, query_operands_s8(qg, **kw, interpret=interpret)
+    return qg, query_operands(qg, **kw, key_operand=key_operand)
 
 
 _REDUCTION_SCRATCH = 2048  # cross-warp max/sum over the token axis of a [tile, N] f32 tile
@@ -877,32 +856,6 @@ def store_rows(out_smem, acc: jax.Array) -> None:
     plgpu.transpose_ref(out_smem, (1, 0))[...] = acc
 
 
-# Ring depth of the BF16 body where it runs as splits of the low-bit kernel's grid: its
-# shared memory adds to the low-bit body's in every program (2 x 32 KB at d = 128).
-FP_GRID_STAGES = 2
-_FP_PREFIX = "fp_"  # the BF16 body's scratch names in a `_grid_kernel`
-
-
-def _grid_kernel(*refs, lowbit, fp, s_lowbit: int, n_lowbit: int, **scratch):
-    """Splits [0, ``s_lowbit``) of the grid run the low-bit body, the rest the BF16 body (its
-    sink/recent pages: `lowbit_partials`' ``fp_grid``), so those pages need no kernel of their
-    own and their programs share the low-bit kernel's wave. Both bodies write the same
-    partial arrays; each has its own scratch (the BF16 body's names prefixed `_FP_PREFIX`)."""
-    n_out = 3
-    lowbit_in, fp_in, outs = refs[:n_lowbit], refs[n_lowbit:-n_out], refs[-n_out:]
-    lowbit_scratch = {k: r for k, r in scratch.items() if not k.startswith(_FP_PREFIX)}
-    fp_scratch = {k[len(_FP_PREFIX) :]: r for k, r in scratch.items() if k.startswith(_FP_PREFIX)}
-    si = lax.axis_index("s")
-
-    @pl.when(si < s_lowbit)
-    def _lowbit():
-        lowbit(*lowbit_in, *outs, **lowbit_scratch)
-
-    @pl.when(si >= s_lowbit)
-    def _fp():
-        fp(*fp_in, *outs, **fp_scratch)
-
-
 def _split_call(kernel, scratch: dict, shape: tuple[int, ...], *, auto_barriers: bool = False):
     """The `plgpu.kernel` of a split kernel: grid (B, Hkv, S), outputs acc f32[B, Hkv, S, N, d]
     and m, l f32[B, Hkv, S, N] (``shape`` = (B, Hkv, S, N, d)).
@@ -947,7 +900,6 @@ def lowbit_partials(
     columns: bool = False,
     prologue: str = PROLOGUES[0],
     operands: tuple[jax.Array, jax.Array] | None = None,
-    fp_grid: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -966,15 +918,10 @@ def lowbit_partials(
     ``int_to_float``: `INT_TO_FLOAT` ("s8": keys as 8-bit integer MMA operands).
     ``prologue``: `PROLOGUES` (how the query operands are built from ``qg``: XLA ops, or with
     s8 keys the `query_operands_s8` kernel; ``"fused"`` takes the latter here).
-    ``operands``: ``(qs, qmeta)`` already built from ``qg`` (`query_prologue`; ``qg`` may
-    then be None), or None.
-    ``fp_grid``: ``(qs_fp, fp_set)``, full-precision pages (`fp_partials`' ``fp_set``, 64-token
-    steps) and their query operand (bf16|f16[B, Hkv, N, d], times ``scale_log2``), served by
-    the BF16 body as extra splits of the same kernel's grid (`_grid_kernel`): their partials
-    follow the low-bit splits' (S' = (S + S_fp) * streams).
+    ``operands``: ``(qs, qmeta)`` already built from ``qg`` (`query_prologue`), or None.
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
-    b, hkv, *_, d = (qg if operands is None else operands[0]).shape
+    b, hkv, gp, d = qg.shape
     bits_v = bits if bits_v is None else bits_v
     n = layout.codes_per_byte(bits)
     width = d // n
@@ -1110,23 +1057,9 @@ def lowbit_partials(
         ),
         bars=plgpu.Barrier(num_arrivals=2 if stage == "loads_codes" else 6, num_barriers=STAGES),
     )
-    operands = [qs, qmeta, kc, vc, *metas, tab_ext]
-    s_all = s
-    if fp_grid is not None:  # the sink/recent pages as splits [S, S + S_fp) of the same grid
-        qs_fp, fp_set = fp_grid
-        fp_kernel, fp_scratch, fp_operands = _fp_parts(
-            qs_fp, fp_set, stages=FP_GRID_STAGES, prefix=_FP_PREFIX, split_offset=s,
-            real_columns=group if streams > 1 else None,
-        )  # fmt: skip
-        kernel = functools.partial(
-            _grid_kernel, lowbit=kernel, fp=fp_kernel, s_lowbit=s, n_lowbit=len(operands)
-        )
-        scratch.update(fp_scratch)
-        operands += fp_operands
-        s_all += fp_set[2].shape[1]
-    acc, m, l = _split_call(
-        kernel, scratch, (b, hkv, s_all, n_pad, d), auto_barriers=auto_barriers
-    )(*operands)
+    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, n_pad, d), auto_barriers=auto_barriers)(
+        qs, qmeta, kc, vc, *metas, tab_ext
+    )
     if columns:
         return acc, m, l
     acc, m, l = rows_of_columns(acc, m, l, streams=streams, group=group)
@@ -1159,17 +1092,11 @@ def _fp_kernel(
     page: int,
     pages_per_split: int,
     stages: int,
-    split_offset: int = 0,
-    real_columns: int | None = None,
 ):
-    # ``split_offset``: this kernel's splits are grid splits [offset, offset + S) of a kernel
-    # whose other splits run the low-bit body (`_grid_kernel`); ``real_columns``: columns at
-    # and past it get m = -inf and l = 0 (there they would be another token stream's rows).
     (k_smem, v_smem, pt_smem), out_smem = ring
     bi = lax.axis_index("b")
     h = lax.axis_index("h")
-    s_out = lax.axis_index("s")
-    si = s_out - split_offset
+    si = lax.axis_index("s")
     npad, d = q_smem.shape
     per_step = TILE // page  # pages per 64-token step
     plgpu.copy_gmem_to_smem(q_gmem.at[bi, h], q_smem, bar_in.at[0])
@@ -1247,18 +1174,13 @@ def _fp_kernel(
         return acc_ref[...], *out
 
     acc, m_i, l_i = pl.run_scoped(loop, plgpu.ACC((d, npad), jnp.float32))
-    l_i = l_i.sum(axis=0)
-    if real_columns is not None:
-        real = plgpu.broadcasted_iota(jnp.int32, (npad,), 0, layout=col) < real_columns
-        m_i = jnp.where(real, m_i, da.NEG_INF)
-        l_i = jnp.where(real, l_i, 0.0)
     store_rows(out_smem, acc)
     vec_smem.at[0][...] = m_i
-    vec_smem.at[1][...] = l_i
+    vec_smem.at[1][...] = l_i.sum(axis=0)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, s_out])
-    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, s_out])
-    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, s_out])
+    plgpu.copy_smem_to_gmem(out_smem, acc_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[0], m_gmem.at[bi, h, si])
+    plgpu.copy_smem_to_gmem(vec_smem.at[1], l_gmem.at[bi, h, si])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -1272,50 +1194,24 @@ def fp_partials(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over full-precision pages, in split rows as `lowbit_partials` returns
     them: (acc f32[B,Hkv,S,group,d], m, l f32[B,Hkv,S,N]; base 2, unnormalised)."""
-    k = fp_set[0]
-    b, hkv, _, d = qg.shape
-    if not fp_body_supports(k.dtype, d, k.shape[2]) or fp_set[1].dtype != k.dtype:
-        raise ValueError(
-            f"the Mosaic GPU BF16 body needs bfloat16 or float16 pages dividing {TILE} tokens "
-            f"and head_dim a multiple of 64 up to 256, got {k.dtype} page={k.shape[2]} {d=}"
-        )
-    n_pad, _ = mma_columns(group, TILE, None, 1)
-    qs = (qg[:, :, :group] * scale_log2).astype(k.dtype)
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, n_pad - group), (0, 0)))
-    kernel, scratch, operands = _fp_parts(qs, fp_set, stages=stages)
-    s = fp_set[2].shape[1]
-    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, n_pad, d))(*operands)
-    return rows_of_columns(acc, m, l, streams=1, group=group)
-
-
-def fp_body_supports(dtype, head_dim: int, page_size: int) -> bool:
-    """Whether the Mosaic GPU BF16 body reads these full-precision pages."""
-    return (
-        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        and head_dim % 64 == 0
-        and head_dim <= 256
-        and TILE % page_size == 0
-    )
-
-
-def _fp_parts(
-    qs: jax.Array,  # bf16|f16[B, Hkv, N, d]: the query times scale_log2, columns padded to N
-    fp_set: tuple,  # (k, v [P, Hkv, page, d], table i32[B, S, pps], len i32[B])
-    *,
-    stages: int,
-    prefix: str = "",
-    **kernel_options,
-) -> tuple:
-    """(kernel, scratch, operands) of the BF16 body over ``fp_set``: `_fp_kernel` with its
-    options, its scratch (names prefixed by ``prefix``) and its operands in order."""
     k, v, tab, lens = fp_set
-    n_pad, d = qs.shape[2:]
+    b, hkv, _, d = qg.shape
     page = k.shape[2]
+    if k.dtype not in (jnp.bfloat16, jnp.float16) or v.dtype != k.dtype:
+        raise ValueError(f"full-precision pages must be bfloat16 or float16, got {k.dtype}")
+    if TILE % page or d % 64 or d > 256:
+        raise ValueError(
+            f"the Mosaic GPU BF16 body needs pages dividing {TILE} tokens and head_dim a "
+            f"multiple of 64 up to 256, got {page=} {d=}"
+        )
     if stages < 2:
         raise ValueError(f"stages={stages} must be >= 2")
-    pps = tab.shape[2]
+    n_pad, _ = mma_columns(group, TILE, None, 1)
+    s, pps = tab.shape[1], tab.shape[2]
     per_step = TILE // page
     pps_pad = -(-pps // per_step) * per_step  # a step reads whole groups of table entries
+    qs = (qg[:, :, :group] * scale_log2).astype(k.dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, n_pad - group), (0, 0)))
     tab_ext = _split_rows(tab, lens, page, pps_pad)
     tiles = functools.partial(plgpu.SMEM, dtype=k.dtype, transforms=_swizzled(2 * d))
     ring = plgpu.RefUnion(
@@ -1335,10 +1231,9 @@ def _fp_parts(
         bar_in=plgpu.Barrier(num_arrivals=2, num_barriers=1),
         bars=plgpu.Barrier(num_arrivals=2 * per_step, num_barriers=stages),
     )
-    kernel = functools.partial(
-        _fp_kernel, page=page, pages_per_split=pps_pad, stages=stages, **kernel_options
-    )
-    return kernel, {prefix + key: t for key, t in scratch.items()}, (qs, k, v, tab_ext)
+    kernel = functools.partial(_fp_kernel, page=page, pages_per_split=pps_pad, stages=stages)
+    acc, m, l = _split_call(kernel, scratch, (b, hkv, s, n_pad, d))(qs, k, v, tab_ext)
+    return rows_of_columns(acc, m, l, streams=1, group=group)
 
 
 def mma_columns(
@@ -1431,11 +1326,8 @@ def paged_decode(
     the full-precision set as the Triton body returns it (``fp_set``'s table holds its own
     splits, `FP_PAGES_PER_SPLIT`); the low-bit set in split rows (`rows_of_columns`: each
     token stream a split of its own).
-    `merge_splits` takes the pairs: no concatenation. Prologue ``"fused_grid"``, where the BF16
-    body reads the full-precision pages: one set, both page sets' splits in one kernel's grid
-    (`lowbit_partials`' ``fp_grid``; one full-precision split per sequence and head)."""
-    fused = cfg.prologue in FUSED_PROLOGUES
-    if value_inverse is not None or (query_transform is not None and not fused):
+    `merge_splits` takes the pairs: no concatenation."""
+    if value_inverse is not None or (query_transform is not None and cfg.prologue != "fused"):
         raise ValueError(
             "the GPU split kernel takes no transforms but the fused prologue's query "
             "transform; use head_matmul and the merge kernel around it"
@@ -1444,30 +1336,13 @@ def paged_decode(
         raise ValueError("the Mosaic GPU body has no interpret mode; use backend='gpu'")
     group = cfg.group if cfg.group is not None else qg.shape[2]
     n_pad, streams = mma_columns(group, lowbit_set[0].shape[2])
-    k_fp = fp_set[0]
-    grid = cfg.prologue == "fused_grid" and fp_body_supports(
-        k_fp.dtype, k_fp.shape[3], k_fp.shape[2]
-    )
     operands = None
-    if fused:  # qg: [B, Hkv, group, d] as the queries come
+    if cfg.prologue == "fused":  # qg: [B, Hkv, group, d] as the queries come
         qg, operands = query_prologue(
             qg, query_transform, group_pad=cfg.group_pad, scale_log2=cfg.scale_log2,
             n_pad=n_pad, streams=streams,
             key_operand="s8" if cfg.int_to_float.startswith("s8") else "f16",
-            fp_query_dtype=k_fp.dtype if grid else None,
         )  # fmt: skip
-    kw = dict(
-        bits=cfg.bits, bits_v=cfg.value_bits, scale_log2=cfg.scale_log2, group=group,
-        value_layout=cfg.value_layout, code_copy=cfg.gather, int_to_float=cfg.int_to_float,
-        columns=True, prologue=cfg.prologue if not grid else "fused", operands=operands,
-    )  # fmt: skip
-    if grid:  # qg: the BF16 body's query operand; the pages' splits joined into one
-        b = qg.shape[0]
-        tab = da.split_table(fp_set[2].reshape(b, -1), 1, TILE // k_fp.shape[2])
-        fp_one = (k_fp, fp_set[1], tab, fp_set[3])
-        acc, m, l = lowbit_partials(None, lowbit_set, **kw, fp_grid=(qg, fp_one))
-        acc, m, l = rows_of_columns(acc, m, l, streams=streams, group=group)
-        return (acc,), (m,), (l,)
     fp_cfg = dataclasses.replace(cfg, n_chunks=1, bits=None, group_size=None, pages_per_block=1)
     acc_fp, m_fp, l_fp = gpu_triton.paged_decode(
         fp_cfg,
@@ -1480,7 +1355,20 @@ def paged_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    acc_q, m_q, l_q = lowbit_partials(qg, lowbit_set, **kw)
+    acc_q, m_q, l_q = lowbit_partials(
+        qg,
+        lowbit_set,
+        bits=cfg.bits,
+        bits_v=cfg.value_bits,
+        scale_log2=cfg.scale_log2,
+        group=group,
+        value_layout=cfg.value_layout,
+        code_copy=cfg.gather,
+        int_to_float=cfg.int_to_float,
+        columns=True,
+        prologue=cfg.prologue,
+        operands=operands,
+    )
     # Split rows (`rows_of_columns`, reshapes): the merge reads each row's splits contiguously.
     acc_q, m_q, l_q = rows_of_columns(acc_q, m_q, l_q, streams=streams, group=group)
     return (acc_fp, acc_q), (m_fp, m_q), (l_fp, l_q)
@@ -1494,10 +1382,9 @@ def merge_splits(
     *,
     interpret: bool,
 ) -> jax.Array:  # f32[B, Hkv, g, d]
-    """The Triton merge kernel over `paged_decode`'s partial sets (no concatenation)."""
-    second = (acc[1], m[1], l[1]) if len(acc) > 1 else None
+    """The Triton merge kernel over `paged_decode`'s two partial sets (no concatenation)."""
     return gpu_triton.merge_splits(
-        acc[0], m[0], l[0], value_inverse, interpret=interpret, second=second
+        acc[0], m[0], l[0], value_inverse, interpret=interpret, second=(acc[1], m[1], l[1])
     )
 
 
