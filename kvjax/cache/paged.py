@@ -403,56 +403,10 @@ class PagedKVCache:
         # Flush: stored recent tokens leaving the window, and new tokens that go straight to low
         # bits (long prefill chunks), are quantized into low-bit pages. F == 0 (no sequence
         # flushes this step) and single-token decode: nothing reaches the low-bit pools.
-        def store(flush_src, flush_dst):
-            # Gathered here, not outside the decode step's cond: most steps flush nothing.
-            fk = _gather_tokens(k_fp, flush_src)  # [R, F, K, d]
-            fv = _gather_tokens(v_fp, flush_src)
-            dims = cfg.value_layout == "dims"
-            if cfg.attention == "pallas" and _kernel_layer(pol) and not dims:
-                # The fused quantize+pack kernel: flushed tokens are already in the stored
-                # frame (identity transform); new tokens going straight to low bits are
-                # transformed by the kernel itself.
-                eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tf.a_k[layer].shape)
-                k_low, v_low = pools.k_low, pools.v_low
-                sets = [(flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
-                if t > 1:
-                    sets.append(
-                        (
-                            plan.new_low_dst,
-                            tf.centred_keys(layer, k),
-                            v,
-                            tf.a_k[layer],
-                            tf.a_v[layer],
-                        )
-                    )
-                for dst, xk, xv, ak, av in sets:
-                    k_low = _store_low_kernel(k_low, dst, xk, ak, pol.quant, tf.clip_k[layer])
-                    v_low = _store_low_kernel(v_low, dst, xv, av, pol.quant_v, tf.clip_v[layer])
-                return k_low, v_low
-            # every page this step writes has a token at a multiple of the page size in one
-            # of the two lists (both are runs of consecutive slots from a page start or
-            # ending at one): the pages to clear, without a page-sized update per token
-            starts = [flush_dst[:, :: cfg.low_page]]
-            if t > 1:  # new tokens straight to low bits (a decode token never goes there)
-                dst = jnp.concatenate([flush_dst, plan.new_low_dst], axis=1)
-                xk, xv = jnp.concatenate([fk, k_t], axis=1), jnp.concatenate([fv, v_t], axis=1)
-                starts.append(plan.new_low_dst[:, :: cfg.low_page])
-            else:
-                dst, xk, xv = flush_dst, fk, fv
-            k_low = _store_low(pools.k_low, dst, xk, pol.quant, tf.clip_k[layer])
-            v_low = _store_low(
-                pools.v_low,
-                dst,
-                xv,
-                pol.quant_v,
-                tf.clip_v[layer],
-                dims_page=cfg.low_page if dims else None,
-                page_starts=jnp.concatenate(starts, 1) if dims else None,
-            )
-            return k_low, v_low
-
         if t > 1:
-            k_low, v_low = store(plan.flush_src, plan.flush_dst)
+            k_low, v_low = self._store_lowbit(
+                layer, pools, k_fp, v_fp, plan.flush_src, plan.flush_dst, new=(k, k_t, v, v_t)
+            )
         elif plan.flush_src.shape[1] == 0:  # single-token decode never writes new low tokens
             k_low, v_low = pools.k_low, pools.v_low
         else:
@@ -462,7 +416,9 @@ class PagedKVCache:
             drop = self.num_lowbit_pages * cfg.low_page
             k_low, v_low = jax.lax.cond(
                 jnp.any(plan.flush_dst < drop),
-                lambda: store(plan.flush_src, plan.flush_dst),
+                lambda: self._store_lowbit(
+                    layer, pools, k_fp, v_fp, plan.flush_src, plan.flush_dst
+                ),
                 lambda: (pools.k_low, pools.v_low),
             )
         new_pools = LayerPools(k_fp=k_fp, v_fp=v_fp, k_low=k_low, v_low=v_low)
@@ -494,6 +450,63 @@ class PagedKVCache:
         if self.moments is not None:
             new = new.replace(moments=self._add_moments(layer, plan, k_t, v_t))
         return o, new
+
+    def _store_lowbit(
+        self, layer: int, pools: LayerPools, k_fp, v_fp, flush_src, flush_dst, new=None
+    ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """One layer's low-bit pools after quantizing the stored tokens at fp slots `flush_src`
+        (of `k_fp` / `v_fp`) into low-bit slots `flush_dst`, and in a prefill chunk `new` = (k,
+        k_t, v, v_t), the chunk's tokens that go straight to low bits (`plan.new_low_dst`)."""
+        plan, tf, cfg = self.plan, self.transforms, self.cfg
+        pol = self.policy(layer)
+        d = k_fp.shape[-1]
+        k, k_t, v, v_t = new if new is not None else (None,) * 4
+        # Gathered here, not outside the decode step's cond: most steps flush nothing.
+        fk = _gather_tokens(k_fp, flush_src)  # [R, F, K, d]
+        fv = _gather_tokens(v_fp, flush_src)
+        dims = cfg.value_layout == "dims"
+        if cfg.attention == "pallas" and _kernel_layer(pol) and not dims:
+            # The fused quantize+pack kernel: flushed tokens are already in the stored
+            # frame (identity transform); new tokens going straight to low bits are
+            # transformed by the kernel itself.
+            eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), tf.a_k[layer].shape)
+            k_low, v_low = pools.k_low, pools.v_low
+            sets = [(flush_dst, fk, fv, eye, eye)] if fk.shape[1] else []
+            if new is not None:
+                sets.append(
+                    (
+                        plan.new_low_dst,
+                        tf.centred_keys(layer, k),
+                        v,
+                        tf.a_k[layer],
+                        tf.a_v[layer],
+                    )
+                )
+            for dst, xk, xv, ak, av in sets:
+                k_low = _store_low_kernel(k_low, dst, xk, ak, pol.quant, tf.clip_k[layer])
+                v_low = _store_low_kernel(v_low, dst, xv, av, pol.quant_v, tf.clip_v[layer])
+            return k_low, v_low
+        # every page this step writes has a token at a multiple of the page size in one
+        # of the two lists (both are runs of consecutive slots from a page start or
+        # ending at one): the pages to clear, without a page-sized update per token
+        starts = [flush_dst[:, :: cfg.low_page]]
+        if new is not None:  # new tokens straight to low bits (a decode token never goes there)
+            dst = jnp.concatenate([flush_dst, plan.new_low_dst], axis=1)
+            xk, xv = jnp.concatenate([fk, k_t], axis=1), jnp.concatenate([fv, v_t], axis=1)
+            starts.append(plan.new_low_dst[:, :: cfg.low_page])
+        else:
+            dst, xk, xv = flush_dst, fk, fv
+        k_low = _store_low(pools.k_low, dst, xk, pol.quant, tf.clip_k[layer])
+        v_low = _store_low(
+            pools.v_low,
+            dst,
+            xv,
+            pol.quant_v,
+            tf.clip_v[layer],
+            dims_page=cfg.low_page if dims else None,
+            page_starts=jnp.concatenate(starts, 1) if dims else None,
+        )
+        return k_low, v_low
 
     def _add_moments(self, layer: int, plan: StepPlan, k_t, v_t) -> tuple[KVMoments, ...]:
         # A token is real when the plan stores it somewhere (padding goes to the drop slot).
