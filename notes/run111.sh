@@ -4,7 +4,6 @@
 #  1. default flags, flushing rows staggered (--stagger 128) and not (--stagger 0);
 #  2. the same under XLA command buffers that also capture while loops and conditionals
 #     (no predicate read back to the host per layer and per step, no launch gaps);
-#  3. if nsys is on the machine: the GPU kernel summary of the int2_mosaic run.
 # Prediction: if the per-layer flush conds' host round trips cost what BENCHMARKS.md guesses
 # (~20 us each), the staggered int2 step drops ~0.15 ms with command buffers at 8 layers.
 set -u
@@ -24,14 +23,3 @@ run s128 130 "" --stagger 128 --modes int2_mosaic bf16_paged
 run s128_cmdbuf 130 "$CB" --stagger 128 --modes int2_mosaic bf16_paged
 run s0 80 "" --stagger 0 --modes int2_mosaic
 run s0_cmdbuf 80 "$CB" --stagger 0 --modes int2_mosaic
-nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-echo "nsys: ${nsys:-none}"
-if [[ -n $nsys ]]; then
-  # shellcheck disable=SC2086
-  timeout 120 "$nsys" profile -t cuda -o "$out/int2" --force-overwrite true python3 -m eval.bench_engine \
-    $common --stagger 128 --modes int2_mosaic --out "$out/nsys_run" > "$out/nsys.log" 2>&1
-  echo "nsys rc=$?"
-  timeout 60 "$nsys" stats -r cuda_gpu_kern_sum -f csv -o "$out/int2" "$out/int2.nsys-rep" > /dev/null 2>&1
-  rm -f "$out"/int2.nsys-rep "$out"/int2.sqlite
-  head -c 3000 "$out"/int2*kern_sum*.csv 2>/dev/null
-fi
