@@ -419,7 +419,8 @@ def git_commit() -> str:
 
 
 def command_line() -> str:
-    """The command that is running, as a user would type it (``python -m module args``)."""
+    """The command that is running, as a user would type it (``python -m module args``), with
+    ``XLA_FLAGS`` in front where set: the flags change what XLA compiles and so the timings."""
     import shlex
     import sys
 
@@ -428,7 +429,8 @@ def command_line() -> str:
     head = (
         ["python", "-m", spec.name] if spec is not None and spec.name else ["python", *sys.argv[:1]]
     )
-    return shlex.join(head + sys.argv[1:])
+    flags = os.environ.get("XLA_FLAGS", "").strip()
+    return (f"XLA_FLAGS={shlex.quote(flags)} " if flags else "") + shlex.join(head + sys.argv[1:])
 
 
 def environment() -> dict[str, Any]:

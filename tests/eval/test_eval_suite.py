@@ -774,3 +774,14 @@ def test_prose_text_halves_are_disjoint_english():
     assert ev[:5000] not in cal and cal[-5000:] not in ev  # different topics
     with pytest.raises(ValueError, match="part='test'"):
         drift.prose_text("test")
+
+
+def test_recorded_command_carries_xla_flags(monkeypatch):
+    """Results record the XLA flags a run was made under (they change its timings)."""
+    monkeypatch.setattr("sys.argv", ["bench", "--points", "8x131072"])
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert not common.command_line().startswith("XLA_FLAGS")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,WHILE")
+    cmd = common.command_line()
+    assert cmd.startswith("XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,WHILE python")
+    assert cmd.endswith("--points 8x131072")
