@@ -110,6 +110,9 @@ class BenchConfig:
     lowbit_variants: tuple[str, ...] = cli.option(
         (), "extra low-bit rows from LOWBIT_VARIANTS (or 'all')"
     )
+    stages: tuple[str, ...] = cli.option(
+        (), "the `mosaic_stages` rows to time, by stage (gpu_mosaic.STAGES_KINDS; none: all)"
+    )
     quantize_pack: bool = cli.option(True, "also time quantize_pack per decode step")
     quantize_pack_tokens: tuple[int, ...] = cli.option(
         (64, 1024, 8192), "prefill-sized quantize_pack calls timed"
@@ -121,6 +124,11 @@ class BenchConfig:
         unknown = [v for v in self.lowbit_variants if v not in LOWBIT_VARIANTS]
         if unknown:
             raise ValueError(f"unknown --lowbit-variants {unknown}; see LOWBIT_VARIANTS")
+        from pallas_kernels.decode_attention.gpu_mosaic import STAGES_KINDS
+
+        bad = [s for s in self.stages if s not in STAGES_KINDS]
+        if bad:
+            raise ValueError(f"unknown --stages {bad}; one of {STAGES_KINDS}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -287,6 +295,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     runs += [
         (128, "dims", st, "bulk", "none", "last", None, "asm") for st in ("loads", "loads_codes")
     ]
+    runs = [r for r in runs if not cfg.stages or r[2] in cfg.stages]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
         caches = []
         for r in range(copies_for(nbytes)):

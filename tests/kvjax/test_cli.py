@@ -105,3 +105,14 @@ def test_dataclass_parsers_default_to_the_config_and_round_trip():
     assert (p.serving, p.num_windows, p.protocol) == (None, 3, (8, 64, 8))
     with pytest.raises(SystemExit):  # argparse rejects a choice outside the list
         report.parse_args(["--run", "everything"])
+
+
+def test_bench_decode_stage_rows_are_checked_by_name():
+    from eval import bench_decode
+
+    assert bench_decode.parse_args(["--stages", "loads", "loads_codes"]).stages == (
+        "loads",
+        "loads_codes",
+    )
+    with pytest.raises(ValueError, match=r"unknown --stages \['bogus'\]"):
+        bench_decode.parse_args(["--stages", "loads", "bogus"])
