@@ -286,14 +286,14 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # int_to_float). None: the kernel's defaults. Rows of earlier sessions (N = 16, one token
     # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
     # every step) are in BENCHMARKS.md.
-    runs = [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
+    runs = [  # the ring alone first: the shortest rows
+        (128, "dims", st, "bulk", "none", "last", None, "asm") for st in ("loads", "loads_codes")
+    ]
+    runs += [(128, "dims", "full", "bulk", "values", "last", None, k) for k in INT_TO_FLOAT_ROWS]
     runs += [(128, "dims", "keys", "bulk", "values", "last", None, k) for k in ("asm", "s8")]
     runs += [
         (128, "dims", st, "bulk", "values", "last", None, "s8")
         for st in ("no_value_operand", "no_pt_store", "no_rescale", "half_value_mma")
-    ]
-    runs += [
-        (128, "dims", st, "bulk", "none", "last", None, "asm") for st in ("loads", "loads_codes")
     ]
     runs = [r for r in runs if not cfg.stages or r[2] in cfg.stages]
     for page_q, vl in dict.fromkeys((r[0], r[1]) for r in runs):
