@@ -180,7 +180,8 @@ def low_bit_mask(
     return (s >= cache_cfg.sink) & (s < q_end[:, :, None]) & (s <= positions[:, :, None])
 
 
-SIM_QUERY_BLOCKS = 8  # query blocks of `WindowedQuantCache.attend` (at most; >= 256 queries each)
+SIM_QUERY_BLOCKS = 8  # query blocks of `WindowedQuantCache.attend`, at most,
+SIM_MIN_BLOCK = 256  # of this many queries at least
 
 
 @flax.struct.dataclass
@@ -262,7 +263,8 @@ class WindowedQuantCache:
         # blocks of queries skip them (about half the scores at 8 blocks, and each block's
         # [T / 8, T] scores stay small where the whole [T, T] did not fit in cache).
         t = q.shape[1]
-        bounds = np.linspace(0, t, min(SIM_QUERY_BLOCKS, max(1, t // 256)) + 1).astype(int)
+        n = min(SIM_QUERY_BLOCKS, max(1, t // SIM_MIN_BLOCK))
+        bounds = np.linspace(0, t, n + 1).astype(int)
         o = jnp.concatenate([block(a, b) for a, b in zip(bounds[:-1], bounds[1:])], axis=1)
         return tf.outputs_from_value_frame(layer, o.reshape(q.shape)), self
 

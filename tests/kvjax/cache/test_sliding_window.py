@@ -168,10 +168,12 @@ def test_paged_cache_masks_old_keys_in_every_segment(model, tokens, dense_logits
 
 
 @pytest.mark.slow
-def test_eval_simulation_matches_paged_cache_with_windows(model):
+@pytest.mark.parametrize("min_block", [256, 8])  # one query block, or five
+def test_eval_simulation_matches_paged_cache_with_windows(model, min_block, monkeypatch):
     """eval's one-pass simulation of the chunked paged cache honours windows and the policy."""
     from eval import common
 
+    monkeypatch.setattr(common, "SIM_MIN_BLOCK", min_block)
     windows = np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 41)).astype(np.int32)
     scorer = common.TokenScorer(model)
     tf = KVTransforms.identity(CFG)
