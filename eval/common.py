@@ -31,7 +31,7 @@ from flax import nnx
 
 from kvjax import assets
 from kvjax.cache.allocator import PageManager
-from kvjax.cache.attention import split_heads_by_group
+from kvjax.cache.attention import query_blocks, split_heads_by_group
 from kvjax.cache.budget import BitAllocation
 from kvjax.cache.paged import CacheConfig, LayerPolicy, PagedKVCache
 from kvjax.cache.quantizers import QuantConfig, dequantize, quantize
@@ -180,10 +180,6 @@ def low_bit_mask(
     return (s >= cache_cfg.sink) & (s < q_end[:, :, None]) & (s <= positions[:, :, None])
 
 
-SIM_QUERY_BLOCKS = 8  # query blocks of `WindowedQuantCache.attend`, at most,
-SIM_MIN_BLOCK = 256  # of this many queries at least
-
-
 @flax.struct.dataclass
 class WindowedQuantCache:
     """Cache-protocol object for ONE call holding a whole window from position 0.
@@ -260,12 +256,8 @@ class WindowedQuantCache:
             return o + jnp.einsum("BKGTS,BSKH->BTKGH", jnp.where(lo, p, 0.0), v_lo[:, :b])
 
         # The window starts at position 0, so keys past a query block's end are all masked:
-        # blocks of queries skip them (about half the scores at 8 blocks, and each block's
-        # [T / 8, T] scores stay small where the whole [T, T] did not fit in cache).
-        t = q.shape[1]
-        n = min(SIM_QUERY_BLOCKS, max(1, t // SIM_MIN_BLOCK))
-        bounds = np.linspace(0, t, n + 1).astype(int)
-        o = jnp.concatenate([block(a, b) for a, b in zip(bounds[:-1], bounds[1:])], axis=1)
+        # blocks of queries skip them (as `causal_self_attention` does).
+        o = jnp.concatenate([block(a, b) for a, b in query_blocks(q.shape[1])], axis=1)
         return tf.outputs_from_value_frame(layer, o.reshape(q.shape)), self
 
     def advance(self, num_tokens: int) -> WindowedQuantCache:

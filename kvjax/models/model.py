@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache.attention import causal_mask, grouped_attention
+from kvjax.cache.attention import causal_mask, causal_self_attention, grouped_attention
 from kvjax.config import ModelConfig
 from kvjax.models.moe import MOE_IMPLS, route, routed_experts
 
@@ -126,6 +126,7 @@ class Attention(nnx.Module):
         positions: jax.Array,  # i32[B, T]
         rope: tuple[jax.Array, jax.Array],  # cos, sin [B, T, rotary_dim]
         cache: Any | None,
+        ordered: bool = False,  # positions increase along T (the model made them)
     ) -> tuple[jax.Array, Any | None]:
         cfg = self.cfg
         b, t, _ = x.shape
@@ -136,7 +137,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, *rope, interleaved=cfg.rope_interleaved)
         k = apply_rope(k, *rope, interleaved=cfg.rope_interleaved)
-        if cache is None:
+        if cache is None and ordered:
+            o = causal_self_attention(q, k, v, positions, self.window, sm_scale=cfg.attention_scale)
+        elif cache is None:
             valid = jnp.ones((b, t), bool)
             mask = causal_mask(positions, positions, valid, self.window)
             o = grouped_attention(q, k, v, mask, sm_scale=cfg.attention_scale)
@@ -263,8 +266,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
-    def __call__(self, x, positions, rope, cache):
-        h, cache = self.self_attn(self.input_layernorm(x), positions, rope, cache)
+    def __call__(self, x, positions, rope, cache, ordered=False):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, rope, cache, ordered)
         if self.post_self_attn_layernorm is not None:
             h = self.post_self_attn_layernorm(h)
         x = x + h
@@ -305,6 +308,7 @@ class Transformer(nnx.Module):
         logits_at: jax.Array | None = None,  # i32[B]: only this position's logits ([B, 1, V])
     ) -> tuple[jax.Array, Any | None]:
         b, t = tokens.shape
+        ordered = positions is None
         if positions is None:
             start = cache.lengths if cache is not None else jnp.zeros((b,), jnp.int32)
             positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -317,7 +321,7 @@ class Transformer(nnx.Module):
         if cfg.scale_embeddings:  # Gemma: the scale is rounded to the weights' dtype, as in HF
             x = x * jnp.asarray(cfg.hidden_size**0.5, self.dtype).astype(x.dtype)
         for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, ropes[cfg.layer_rope_theta(i)], cache)
+            x, cache = layer(x, positions, ropes[cfg.layer_rope_theta(i)], cache, ordered)
         if logits_at is not None:  # serving: a [B, T, V] logits tensor is the largest one
             x = x[jnp.arange(b), logits_at][:, None]
         x = self.norm(x)

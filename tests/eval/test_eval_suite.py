@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from eval import attention_error, common, drift, perplexity, retrieval
+from kvjax.cache import attention as kv_attention
 from kvjax.cache.paged import CacheConfig
 from kvjax.cache.quantizers import QuantConfig
 from kvjax.cache.transforms import KVTransforms
@@ -103,7 +104,7 @@ def test_full_precision_chunked_paged_equals_one_forward(lm, windows):
 @pytest.mark.parametrize("min_block", [256, 16])  # one query block, or six
 def test_simulated_cache_matches_real_paged_cache(lm, windows, qc, decode_from, min_block,
                                                   monkeypatch):  # fmt: skip
-    monkeypatch.setattr(common, "SIM_MIN_BLOCK", min_block)
+    monkeypatch.setattr(kv_attention, "CAUSAL_MIN_BLOCK", min_block)
     scorer = common.TokenScorer(lm.model)
     tf = _random_transforms(7)
     ccfg = CacheConfig(sink=16, keep=32, flush=16, page_size=16, quant=qc, max_seq_len=128)

@@ -108,3 +108,43 @@ def test_paged_reference_path_is_independent_of_the_key_block(monkeypatch, windo
         outs[block] = np.concatenate(got, axis=1)
     scale = np.abs(outs[4096]).max()
     np.testing.assert_allclose(outs[4], outs[4096], atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("t, min_block", [(40, 256), (40, 8), (37, 5)])
+def test_causal_self_attention_in_query_blocks_is_the_masked_one_shot(
+    t, min_block, window, monkeypatch
+):
+    """Query blocks over the keys up to each block's end give the one-shot causal attention
+    (the keys they skip are masked for every query of the block), windows included."""
+    from kvjax.cache import attention
+    from kvjax.cache.attention import causal_mask, causal_self_attention
+
+    monkeypatch.setattr(attention, "CAUSAL_MIN_BLOCK", min_block)
+    blocks = attention.query_blocks(t)
+    assert blocks[0][0] == 0 and blocks[-1][1] == t
+    assert len(blocks) == min(attention.CAUSAL_BLOCKS, max(1, t // min_block))
+    rng = np.random.default_rng(t + min_block)
+    q = jnp.asarray(rng.normal(size=(2, t, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, t, 2, 8)), jnp.float32) for _ in range(2))
+    pos = jnp.broadcast_to(3 + jnp.arange(t, dtype=jnp.int32), (2, t))
+    want = grouped_attention(
+        q, k, v, causal_mask(pos, pos, jnp.ones((2, t), bool), window), sm_scale=0.3
+    )
+    got = causal_self_attention(q, k, v, pos, window, sm_scale=0.3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_forward_in_query_blocks_is_the_masked_one(monkeypatch):
+    """The model's cacheless forward (positions it makes itself, so ordered) in query blocks
+    gives the logits of the one-shot masked attention (explicit positions)."""
+    from kvjax.cache import attention
+
+    cfg = ModelConfig(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    model = Transformer(cfg, rngs=nnx.Rngs(2))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 50, (2, 45)), jnp.int32)
+    monkeypatch.setattr(attention, "CAUSAL_MIN_BLOCK", 9)  # five blocks
+    blocked, _ = model(tokens)
+    one_shot, _ = model(tokens, positions=jnp.broadcast_to(jnp.arange(45), (2, 45)))
+    np.testing.assert_allclose(blocked, one_shot, rtol=1e-5, atol=1e-5)

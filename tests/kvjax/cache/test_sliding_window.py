@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kvjax.cache import attention as kv_attention
 from kvjax.cache.allocator import PageManager
 from kvjax.cache.attention import causal_mask
 from kvjax.cache.dense import DenseKVCache
@@ -173,7 +174,7 @@ def test_eval_simulation_matches_paged_cache_with_windows(model, min_block, monk
     """eval's one-pass simulation of the chunked paged cache honours windows and the policy."""
     from eval import common
 
-    monkeypatch.setattr(common, "SIM_MIN_BLOCK", min_block)
+    monkeypatch.setattr(kv_attention, "CAUSAL_MIN_BLOCK", min_block)
     windows = np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 41)).astype(np.int32)
     scorer = common.TokenScorer(model)
     tf = KVTransforms.identity(CFG)
