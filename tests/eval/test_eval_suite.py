@@ -101,7 +101,9 @@ def test_full_precision_chunked_paged_equals_one_forward(lm, windows):
 @pytest.mark.parametrize(
     "qc, decode_from", [(QuantConfig("oscar", 2), None), (QuantConfig("quest", 3), 90)]
 )
-@pytest.mark.parametrize("min_block", [256, 16])  # one query block, or six
+@pytest.mark.parametrize(  # one query block, or six (CI: the blocks' own tests, fast)
+    "min_block", [256, pytest.param(16, marks=pytest.mark.slow)]
+)
 def test_simulated_cache_matches_real_paged_cache(lm, windows, qc, decode_from, min_block,
                                                   monkeypatch):  # fmt: skip
     monkeypatch.setattr(kv_attention, "CAUSAL_MIN_BLOCK", min_block)
