@@ -2,7 +2,8 @@
 
 This is the reference ("slow, obvious") path. Caches gather their keys and values (dense, or
 dequantized from pages) and call `grouped_attention`; the Pallas decode kernels in
-`pallas_kernels/` are tested against the same math.
+`pallas_kernels/` are tested against the same math. The model's cacheless forward over a whole
+window uses `causal_self_attention` (the same math in query blocks).
 
 Query head j reads KV head j // G, G = Hq // Hkv (HuggingFace `repeat_kv` order).
 """
