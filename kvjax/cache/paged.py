@@ -383,7 +383,7 @@ class PagedKVCache:
         plan, tf, cfg = self.plan, self.transforms, self.cfg
         pol = self.policy(layer)
         pools = self.pools[layer]
-        b, t, _, d = q.shape
+        b, t = q.shape[:2]
         if plan.new_fp_dst.shape != (b, t):
             raise ValueError(f"plan made for {plan.new_fp_dst.shape} tokens, got {q.shape=}")
         # Move everything into the stored frames: k A_K, v A_V, q B_K^T.
