@@ -2,6 +2,7 @@
 
     python -m eval.perplexity --windows 2                  # full grid, shipped SmolLM2
     python -m eval.perplexity --methods wush hadamard --bits 2 --quantizers oscar --windows 4
+    python -m eval.perplexity --merge runs/a/perplexity.json runs/b/perplexity.json --out DIR
 
 Protocol: non-overlapping 2048-token windows of the evaluation plays (tragedies, never seen by
 calibration), each fed in 16-token chunks through the paged cache with full-precision windows
@@ -20,7 +21,8 @@ value, rel_to_fp and its standard error paired over windows, rel_to_fp_se), <out
 and <out>/perplexity.png (perplexity vs bits per transform). `--data` scores a user's text
 instead of the evaluation plays. `--allocation` adds each method's stored bit allocation
 (`python -m kvjax.calibrate --bpe-budget`) as a column; `python -m eval.bit_allocation` compares
-allocations and metadata encodings at equal bits per element.
+allocations and metadata encodings at equal bits per element. `--merge` joins runs made on the
+same windows (one per bit width or group of methods) into one table, running nothing.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ class PerplexityConfig:
     )
     out: str = cli.option("runs/eval", "output folder (results/ only when asked)")
     plot: bool = cli.option(True, "write the PNG plot")
+    merge: tuple[str, ...] = cli.option(
+        (),
+        "perplexity.json files of runs on the same windows (model, text, window length and "
+        "count, chunk, engine, protocol) to join into <out>/perplexity.{json,md,png}; nothing "
+        "is run",
+    )
 
     def __post_init__(self):
         common.check_methods(self.methods)
@@ -281,7 +289,7 @@ def crosscheck(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> d
 def cell(r: dict) -> str:
     """perplexity (change vs full precision ± its paired standard error over windows)."""
     se = r.get("rel_to_fp_se")
-    pm = "" if se is None else f" ± {100 * se:.1f}"
+    pm = "" if se is None else f" ± {100 * se:.{1 if se >= 0.001 else 2}f}"  # 4 bits: ~0.05
     return f"{r['value']:.2f} ({100 * r['rel_to_fp']:+.1f}%{pm})"
 
 
@@ -368,8 +376,91 @@ def plot(rows: list[dict], cfg: PerplexityConfig, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+# What makes two runs' rows comparable: the same windows of the same text through the same
+# model and cache protocol (each row's change and its standard error are paired with its own
+# run's full-precision row, which must then agree).
+_SAME_WINDOWS = ("seq_len", "num_windows", "chunk", "engine", "protocol", "page_size", "data")
+_FP_AGREEMENT = 1e-5  # relative; runs on other commits agree to ~1e-7 (float32 sums)
+
+
+def merge_runs(paths: Sequence[str], out: str, plot_png: bool = True) -> dict:
+    """Joins the rows of perplexity.json files measured on the same windows into
+    <out>/perplexity.{json,md,png}; a setting found in several files keeps the first. Fails,
+    naming the file and the field, where a run's windows, model or full-precision value differ
+    from the first file's."""
+    import json
+
+    payloads = []
+    for p in paths:
+        try:
+            payloads.append(json.loads(pathlib.Path(p).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--merge {p}: not a readable perplexity.json ({e})") from None
+        if payloads[-1].get("eval") != "perplexity":
+            raise ValueError(f"--merge {p}: eval={payloads[-1].get('eval')!r}, not perplexity")
+    first = payloads[0]
+    fp = first["rows"][0]["value"]
+    for p, q in zip(paths[1:], payloads[1:]):
+        for k in _SAME_WINDOWS:
+            if q["config"].get(k) != first["config"].get(k):
+                raise ValueError(
+                    f"--merge {p}: {k}={q['config'].get(k)!r}, but {paths[0]} has "
+                    f"{first['config'].get(k)!r}"
+                )
+        if q["model"].get("fingerprint") != first["model"].get("fingerprint"):
+            raise ValueError(f"--merge {p}: another model than {paths[0]}'s")
+        if abs(q["rows"][0]["value"] - fp) > _FP_AGREEMENT * fp:
+            raise ValueError(
+                f"--merge {p}: full precision {q['rows'][0]['value']:.6f}, {paths[0]} has "
+                f"{fp:.6f}: not the same windows"
+            )
+    rows, seen = [first["rows"][0]], set()
+    for r in (r for q in payloads for r in q["rows"][1:]):
+        key = (r["transform"], r["quantizer"], r["bits"], r["windows"])
+        if key not in seen:
+            seen.add(key)
+            rows.append(r)
+    conf = first["config"]
+    fields = {f.name for f in dataclasses.fields(PerplexityConfig)}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
+    prot = window_name(tuple(conf["protocol"]))
+    present = {r["transform"] for r in rows[1:]}
+    serving = next((q["config"]["serving"] for q in payloads if q["config"]["serving"]), None)
+    kw.update(
+        methods=tuple(m for m in common.ALL_METHODS if m in present),
+        bits=tuple(sorted({r["bits"] for r in rows[1:] if r["windows"] == prot} - {"allocated"})),
+        quantizers=tuple(dict.fromkeys(r["quantizer"] for r in rows[1:] if r["windows"] == prot)),
+        serving=None if serving is None else tuple(serving),
+        serving_bits=tuple(sorted({r["bits"] for r in rows[1:] if r["windows"] != prot}) or (2,)),
+        allocation=any(q["config"].get("allocation") for q in payloads),
+        calib_dir=None,
+        merge=tuple(paths),
+        out=out,
+        plot=plot_png,
+    )
+    cfg = PerplexityConfig(**kw)
+    payload = dict(
+        first,
+        config=dataclasses.asdict(cfg),
+        environment=common.environment(),
+        seconds=sum(q["seconds"] for q in payloads),
+        merged=[
+            dict(path=str(p), calib_dir=q["config"]["calib_dir"], environment=q["environment"])
+            for p, q in zip(paths, payloads)
+        ],
+        rows=rows,
+    )
+    payload.pop("crosscheck", None)
+    common.write_results(out, "perplexity", payload, to_markdown(rows, cfg, {}))
+    if cfg.plot:
+        plot(rows, cfg, pathlib.Path(out) / "perplexity.png")
+    return payload
+
+
 def main(cfg: PerplexityConfig, lm: LoadedModel | None = None) -> dict:
     """Runs the grid and writes perplexity.{json,md,png} under cfg.out; returns the payload."""
+    if cfg.merge:
+        return merge_runs(cfg.merge, cfg.out, cfg.plot)
     text = assets.load_text(cfg.data) if cfg.data else None  # a bad file fails before the model
     lm = lm or load_model(cfg.model)
     windows = common.evaluation_windows(lm.tokenizer, cfg.seq_len, cfg.num_windows, text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -173,6 +174,54 @@ def test_perplexity_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     assert data["crosscheck"]["max_abs_logprob_diff"] < 1e-4
     assert (tmp_path / "perplexity.md").read_text().count("\n| wush |") == 1
     assert (tmp_path / "perplexity.png").stat().st_size > 0
+
+
+def _perplexity_run(path, bits, methods, *, fp=30.0, windows=16, plot=False):
+    """A perplexity.json as `eval.perplexity.main` writes it, of made-up rows."""
+    cfg = perplexity.PerplexityConfig(
+        methods=methods, bits=(bits,), quantizers=("oscar",), num_windows=windows,
+        serving=None, plot=plot,
+    )  # fmt: skip
+    base = dict(num_windows=windows, seq_len=2048, tokens=windows * 2047, metric="perplexity")
+    rows = [dict(base, transform="full_precision", quantizer=None, bits=None, windows=None,
+                 value=fp, rel_to_fp=0.0, rel_to_fp_se=None, seconds=10.0)]  # fmt: skip
+    for i, m in enumerate(methods):
+        rel = 0.01 * (i + 1) / bits
+        rows.append(dict(base, transform=m, quantizer="oscar", bits=bits, windows="16/128/16",
+                         value=fp * (1 + rel), rel_to_fp=rel, rel_to_fp_se=0.001,
+                         seconds=20.0))  # fmt: skip
+    payload = dict(eval="perplexity", config=dataclasses.asdict(cfg),
+                   model=dict(fingerprint="abc"), environment=dict(commit="x"), seconds=30.0,
+                   rows=rows)  # fmt: skip
+    path.write_text(json.dumps(payload))
+    return str(path)
+
+
+def test_perplexity_merge_joins_runs_on_the_same_windows(tmp_path):
+    a = _perplexity_run(tmp_path / "a.json", 2, ("hadamard", "wush"))
+    b = _perplexity_run(tmp_path / "b.json", 3, ("wush", "kv_pca"), fp=30.0 * (1 + 1e-7))
+    again = _perplexity_run(tmp_path / "again.json", 2, ("wush",))  # a repeat: the first stays
+    out = tmp_path / "merged"
+    merged = perplexity.main(perplexity.PerplexityConfig(merge=(a, b, again), out=str(out)))
+    settings = [(r["transform"], r["bits"]) for r in merged["rows"]]
+    assert settings == [("full_precision", None), ("hadamard", 2), ("wush", 2), ("wush", 3),
+                        ("kv_pca", 3)]  # fmt: skip
+    assert merged["seconds"] == 90.0 and len(merged["merged"]) == 3
+    assert merged["config"]["methods"] == ("hadamard", "kv_pca", "wush")  # the house order
+    table = (out / "perplexity.md").read_text()
+    assert "| transform | oscar 2b | oscar 3b |" in table
+    assert "| kv_pca | - | 30.20 (+0.7% ± 0.1) |" in table
+    assert json.loads((out / "perplexity.json").read_text())["rows"] == merged["rows"]
+
+    other = _perplexity_run(tmp_path / "w8.json", 4, ("wush",), windows=8)
+    with pytest.raises(ValueError, match="w8.json: num_windows=8"):
+        perplexity.merge_runs([a, other], str(out))
+    shifted = _perplexity_run(tmp_path / "fp.json", 4, ("wush",), fp=30.1)
+    with pytest.raises(ValueError, match="fp.json: full precision 30.1"):
+        perplexity.merge_runs([a, shifted], str(out))
+    (tmp_path / "junk.json").write_text("{")
+    with pytest.raises(ValueError, match="junk.json: not a readable"):
+        perplexity.merge_runs([a, str(tmp_path / "junk.json")], str(out))
 
 
 def test_paired_change_se():
