@@ -288,9 +288,9 @@ def crosscheck(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> d
 
 def cell(r: dict) -> str:
     """perplexity (change vs full precision ± its paired standard error over windows)."""
-    se = r.get("rel_to_fp_se")
+    se, rel = r.get("rel_to_fp_se"), r["rel_to_fp"]
     pm = "" if se is None else f" ± {100 * se:.{1 if se >= 0.001 else 2}f}"  # 4 bits: ~0.05
-    return f"{r['value']:.2f} ({100 * r['rel_to_fp']:+.1f}%{pm})"
+    return f"{r['value']:.2f} ({100 * rel:+.{1 if abs(rel) >= 0.01 else 2}f}%{pm})"
 
 
 def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:

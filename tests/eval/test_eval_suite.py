@@ -210,7 +210,7 @@ def test_perplexity_merge_joins_runs_on_the_same_windows(tmp_path):
     assert merged["config"]["methods"] == ("hadamard", "kv_pca", "wush")  # the house order
     table = (out / "perplexity.md").read_text()
     assert "| transform | oscar 2b | oscar 3b |" in table
-    assert "| kv_pca | - | 30.20 (+0.7% ± 0.1) |" in table
+    assert "| kv_pca | - | 30.20 (+0.67% ± 0.1) |" in table
     assert json.loads((out / "perplexity.json").read_text())["rows"] == merged["rows"]
 
     other = _perplexity_run(tmp_path / "w8.json", 4, ("wush",), windows=8)
