@@ -9,13 +9,13 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$gpu"
 if [[ $gpu == *H200* ]]; then
   bash notes/run112.sh "$out/record"
 fi
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_attention.py \
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_decode_attention.py \
   -k "bias_equal or (TestDecodeAttentionMosaic and dims)" > "$out/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$out/tests.log"
-timeout 200 python3 -m eval.bench_decode --repeats 3 --points 8x131072 \
+timeout 180 python3 -m eval.bench_decode --repeats 3 --points 8x131072 \
   --variants mosaic_stages --stages loads_codes loads full keys --no-quantize-pack \
   --out "$out/stages/bench_decode.json" > "$out/stages.log" 2>&1
 echo "stages rc=$?"; grep -h "^| [0-9]\|int2_mosaic_split" "$out/stages.log" | cut -c1-150 | head -30
-MOSAIC_GPU_DUMP_PTXAS=1 timeout 60 python3 notes/decode_kernel_once.py mosaic_split:full 8x131072 \
+MOSAIC_GPU_DUMP_PTXAS=1 timeout 45 python3 notes/decode_kernel_once.py mosaic_split:full 8x131072 \
   > "$out/ptxas.log" 2>&1
 echo "ptxas rc=$?"; grep -h -i "registers\|spill" "$out/ptxas.log" | sort | uniq -c | head -20
