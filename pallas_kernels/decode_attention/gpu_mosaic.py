@@ -119,11 +119,12 @@ PROLOGUES = ("fused", "triton", "xla")
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
 # float16's 2^-11 of |q|). The value codes still become float16 ("asm").
 _LO = 254.0  # weight of the low part of an 8-bit split: its residual spans [-1/2, 1/2]
-# The s8 key MMAs' int32 sums become float32 without a conversion instruction (16 per clock
-# per SM, the rate of exp2): the accumulator starts at the bits of 1.5 * 2^23, so its bits
-# read as float32 are 1.5 * 2^23 + sum exactly (|sum| < 2^22: at most 256 dims x 127 x 15),
-# and one subtraction leaves the sum. "convert" is the twin that converts (cvt.rn.f32.s32).
-SUMS_TO_FLOAT = ("bias", "convert")
+# How the s8 key MMAs' int32 sums become float32 (the first is the default): "convert"
+# (cvt.rn.f32.s32, 16 per clock per SM, the rate of exp2: 8 per thread per 128-token step), or
+# "bias": the accumulator starts at the bits of 1.5 * 2^23, so its bits read as float32 are
+# 1.5 * 2^23 + sum exactly (|sum| < 2^22: at most 256 dims x 127 x 15) and one subtraction on
+# the FMA pipe leaves the sum. Both give the same floats; "bias" has not yet run on a GPU.
+SUMS_TO_FLOAT = ("convert", "bias")
 _SUMS_BIAS = 1.5 * 2.0**23
 _SUMS_BIAS_BITS = 0x4B400000  # float32 bits of _SUMS_BIAS
 _S8_K = 64  # K of an 8-bit register-operand MMA group (a 64-byte swizzle; 32 is refused)

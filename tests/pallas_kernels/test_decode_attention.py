@@ -808,7 +808,7 @@ def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
         dict(int_to_float="s8_e4m3x2"),
         dict(int_to_float="s8_e4m3", overlap="none"),
         dict(prologue="triton"),
-        dict(sums_to_float="convert"),
+        dict(sums_to_float="bias"),
     ],  # fmt: skip
     ids=str,
 )
