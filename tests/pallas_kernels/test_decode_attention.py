@@ -724,6 +724,21 @@ def test_mosaic_s8_keys_lower_for_cuda(case: Case):
     _check_schedule(case, dict(int_to_float="s8"), None, run=False)
 
 
+def test_s8_sums_bias_reads_every_reachable_sum_exactly():
+    """The identity the "bias" sums rest on, over the int32 sums the s8 key MMAs can reach
+    (|sum| <= 256 dims x 127 x 15): the accumulator's bits, started at the bias's bits, read
+    as float32 minus the bias are the sum itself."""
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    bits = np.array([gm._SUMS_BIAS_BITS], np.int32)
+    assert bits.view(np.float32)[0] == np.float32(gm._SUMS_BIAS)
+    reach = 256 * 127 * 15
+    sums = np.concatenate([np.arange(-reach, reach + 1, 7), [-reach, -1, 0, 1, reach]])
+    sums = sums.astype(np.int32)
+    read = (bits + sums).view(np.float32) - np.float32(gm._SUMS_BIAS)
+    np.testing.assert_array_equal(read, sums.astype(np.float32))
+
+
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
 def test_mosaic_s8_sums_read_through_a_bias_equal_the_converted_sums(case: Case):
     """The key sums read as float32 through the accumulator's bias are the integers the
