@@ -479,6 +479,28 @@ def write_results(
     return jpath, mpath
 
 
+def read_runs(paths: Sequence[str], eval_name: str) -> list[dict[str, Any]]:
+    """The payloads of `--merge`'s result files, in order. Fails naming the file where one is
+    unreadable, holds another evaluation, or scored another model than the first."""
+    payloads = []
+    for p in paths:
+        try:
+            payloads.append(json.loads(pathlib.Path(p).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--merge {p}: not a readable {eval_name}.json ({e})") from None
+        if payloads[-1].get("eval") != eval_name:
+            raise ValueError(f"--merge {p}: eval={payloads[-1].get('eval')!r}, not {eval_name}")
+        if payloads[-1]["model"].get("fingerprint") != payloads[0]["model"].get("fingerprint"):
+            raise ValueError(f"--merge {p}: another model than {paths[0]}'s")
+    return payloads
+
+
+def config_fields(conf: dict[str, Any], cls: type) -> dict[str, Any]:
+    """A stored config's fields that dataclass `cls` has, JSON lists back as tuples."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; floats are written as given (format them before)."""
     lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]

@@ -388,16 +388,7 @@ def merge_runs(paths: Sequence[str], out: str, plot_png: bool = True) -> dict:
     <out>/perplexity.{json,md,png}; a setting found in several files keeps the first. Fails,
     naming the file and the field, where a run's windows, model or full-precision value differ
     from the first file's."""
-    import json
-
-    payloads = []
-    for p in paths:
-        try:
-            payloads.append(json.loads(pathlib.Path(p).read_text()))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--merge {p}: not a readable perplexity.json ({e})") from None
-        if payloads[-1].get("eval") != "perplexity":
-            raise ValueError(f"--merge {p}: eval={payloads[-1].get('eval')!r}, not perplexity")
+    payloads = common.read_runs(paths, "perplexity")
     first = payloads[0]
     fp = first["rows"][0]["value"]
     for p, q in zip(paths[1:], payloads[1:]):
@@ -407,8 +398,6 @@ def merge_runs(paths: Sequence[str], out: str, plot_png: bool = True) -> dict:
                     f"--merge {p}: {k}={q['config'].get(k)!r}, but {paths[0]} has "
                     f"{first['config'].get(k)!r}"
                 )
-        if q["model"].get("fingerprint") != first["model"].get("fingerprint"):
-            raise ValueError(f"--merge {p}: another model than {paths[0]}'s")
         if abs(q["rows"][0]["value"] - fp) > _FP_AGREEMENT * fp:
             raise ValueError(
                 f"--merge {p}: full precision {q['rows'][0]['value']:.6f}, {paths[0]} has "
@@ -421,8 +410,7 @@ def merge_runs(paths: Sequence[str], out: str, plot_png: bool = True) -> dict:
             seen.add(key)
             rows.append(r)
     conf = first["config"]
-    fields = {f.name for f in dataclasses.fields(PerplexityConfig)}
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
+    kw = common.config_fields(conf, PerplexityConfig)
     prot = window_name(tuple(conf["protocol"]))
     present = {r["transform"] for r in rows[1:]}
     serving = next((q["config"]["serving"] for q in payloads if q["config"]["serving"]), None)

@@ -334,15 +334,10 @@ def resolve_lengths(cfg: RetrievalConfig, context: int) -> tuple[int, ...]:
 
 
 def merge_runs(paths: Sequence[str], out: str) -> dict:
-    """Joins the rows of retrieval.json files (runs split by task or length) into
-    <out>/retrieval.{json,md}; the first file's settings describe the table."""
-    import json
-    import pathlib
-
-    payloads = [json.loads(pathlib.Path(p).read_text()) for p in paths]
-    conf = payloads[0]["config"]
-    fields = {f.name: f for f in dataclasses.fields(RetrievalConfig)}
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in conf.items() if k in fields}
+    """Joins the rows of retrieval.json files of one model (runs split by task or length)
+    into <out>/retrieval.{json,md}; the first file's settings describe the table."""
+    payloads = common.read_runs(paths, "retrieval")
+    kw = common.config_fields(payloads[0]["config"], RetrievalConfig)
     rows, seen = [], set()
     # Rows written before they carried their value width and group size take their run's.
     runs = [

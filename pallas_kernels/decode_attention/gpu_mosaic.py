@@ -126,7 +126,7 @@ _LO = 254.0  # weight of the low part of an 8-bit split: its residual spans [-1/
 # the FMA pipe leaves the sum. Both give the same floats; "bias" has not yet run on a GPU.
 SUMS_TO_FLOAT = ("convert", "bias")
 _SUMS_BIAS = 1.5 * 2.0**23
-_SUMS_BIAS_BITS = 0x4B400000  # float32 bits of _SUMS_BIAS
+_SUMS_BIAS_BITS = int(np.float32(_SUMS_BIAS).view(np.int32))  # 0x4B400000
 _S8_K = 64  # K of an 8-bit register-operand MMA group (a 64-byte swizzle; 32 is refused)
 # e4m3 value operands (``int_to_float="s8_e4m3x2"``): the weights p * s_v are kept at most
 # 2^_F8_HEADROOM by the softmax's shifted max (e4m3's largest normal is 448, its smallest

@@ -355,6 +355,16 @@ def test_retrieval_main_writes_json(lm, calib_dir, tmp_path, monkeypatch):
     merged = retrieval.merge_runs([*both, str(tmp_path / "quest.json")], str(tmp_path / "m"))
     assert len(merged["rows"]) == len(rows) + len(quest)
     assert "| wush (quest quantizer) | " in (tmp_path / "m" / "retrieval.md").read_text()
+    # Another model's run, or a file that is not a retrieval run, is named and nothing written.
+    other = dict(payload, model=dict(payload["model"], fingerprint="another"))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    (tmp_path / "junk.json").write_text("{")
+    before = (tmp_path / "m" / "retrieval.md").read_text()
+    with pytest.raises(ValueError, match="other.json: another model"):
+        retrieval.merge_runs([both[0], str(tmp_path / "other.json")], str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="junk.json: not a readable retrieval.json"):
+        retrieval.merge_runs([both[0], str(tmp_path / "junk.json")], str(tmp_path / "m"))
+    assert (tmp_path / "m" / "retrieval.md").read_text() == before
 
 
 def test_retrieval_group_size_reaches_the_cache_and_is_checked_first(
