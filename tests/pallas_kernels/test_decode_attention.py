@@ -731,7 +731,6 @@ def test_s8_sums_bias_reads_every_reachable_sum_exactly():
     from pallas_kernels.decode_attention import gpu_mosaic as gm
 
     bits = np.array([gm._SUMS_BIAS_BITS], np.int32)
-    assert bits.view(np.float32)[0] == np.float32(gm._SUMS_BIAS)
     reach = 256 * 127 * 15
     sums = np.concatenate([np.arange(-reach, reach + 1, 7), [-reach, -1, 0, 1, reach]])
     sums = sums.astype(np.int32)
