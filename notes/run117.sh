@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 34. The s8 key sums read through the accumulator's bias against converted ones
-# (`gpu_mosaic.SUMS_TO_FLOAT`): GPU tests, then the split kernel alone at 8 x 128k, ring-only
+# (`gpu_mosaic.SUMS_TO_FLOAT`, removed after run 118): GPU tests, then the split kernel alone at 8 x 128k, ring-only
 # rows first (loads_codes, loads), then everything with bias / convert sums and keys only;
 # ptxas' report (registers). On an H200 the decode record first (notes/run112.sh's branch).
 set -u

@@ -119,14 +119,6 @@ PROLOGUES = ("fused", "triton", "xla")
 # by side in 2N columns of an int32 accumulator (exact integer sums, ~2^-16 of max|q| against
 # float16's 2^-11 of |q|). The value codes still become float16 ("asm").
 _LO = 254.0  # weight of the low part of an 8-bit split: its residual spans [-1/2, 1/2]
-# How the s8 key MMAs' int32 sums become float32 (the first is the default): "convert"
-# (cvt.rn.f32.s32, 16 per clock per SM, the rate of exp2: 8 per thread per 128-token step), or
-# "bias": the accumulator starts at the bits of 1.5 * 2^23, so its bits read as float32 are
-# 1.5 * 2^23 + sum exactly (|sum| < 2^22: at most 256 dims x 127 x 15) and one subtraction on
-# the FMA pipe leaves the sum. Both give the same floats; "bias" has not yet run on a GPU.
-SUMS_TO_FLOAT = ("convert", "bias")
-_SUMS_BIAS = 1.5 * 2.0**23
-_SUMS_BIAS_BITS = int(np.float32(_SUMS_BIAS).view(np.int32))  # 0x4B400000
 _S8_K = 64  # K of an 8-bit register-operand MMA group (a 64-byte swizzle; 32 is refused)
 # e4m3 value operands (``int_to_float="s8_e4m3x2"``): the weights p * s_v are kept at most
 # 2^_F8_HEADROOM by the softmax's shifted max (e4m3's largest normal is 448, its smallest
@@ -541,7 +533,6 @@ def _kernel(
     mask: str,
     key_operand: str,
     value_operand: str,
-    sums_to_float: str,
 ):
     # k [STAGES, tile, W]; v [STAGES, tile, d / n_v] or [STAGES, d, tile / n_v]; meta
     # f16|u8[4, STAGES, tile] (k scale, k zero, v scale, v zero); p^T f16[N, tile] (e4m3
@@ -682,9 +673,6 @@ def _kernel(
             return acc_ref[...]  # waits for every MMA in flight
 
         def keys_s8(acc_ref):  # [rows, 2N] int32: high parts' sums, then the low parts'
-            if sums_to_float == "bias":
-                bias = jnp.full((rows, 2 * npad), _SUMS_BIAS_BITS, jnp.int32)
-                acc_ref[...] = plgpu.layout_cast(bias, plgpu.Layout.WGMMA)
             for t in range(streams):
                 tokens = k_smem.at[slot, pl.ds(t * rows, rows)]
                 codes = plgpu.load(tokens, (), layout=plgpu.Layout.WGMMA_8BIT)
@@ -694,10 +682,7 @@ def _kernel(
 
         if s8:
             sums = pl.run_scoped(keys_s8, plgpu.ACC((rows, 2 * npad), jnp.int32))
-            if sums_to_float == "bias":
-                sums = lax.bitcast_convert_type(sums, jnp.float32) - _SUMS_BIAS
-            else:
-                sums = sums.astype(jnp.float32)
+            sums = sums.astype(jnp.float32)
             hi, lo = sums[:, :npad], sums[:, npad:]
             raw = (hi + lo * (1.0 / _LO)) * bcast_col(q_scale)
         else:
@@ -915,7 +900,6 @@ def lowbit_partials(
     columns: bool = False,
     prologue: str = PROLOGUES[0],
     operands: tuple[jax.Array, jax.Array] | None = None,
-    sums_to_float: str = SUMS_TO_FLOAT[0],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Split partials over the low-bit pages: (acc f32[B,Hkv,S',group,d], m, l f32[B,Hkv,S',group]),
     ``S' = S * streams``.
@@ -935,7 +919,6 @@ def lowbit_partials(
     ``prologue``: `PROLOGUES` (how the query operands are built from ``qg``: XLA ops, or with
     s8 keys the `query_operands_s8` kernel; ``"fused"`` takes the latter here).
     ``operands``: ``(qs, qmeta)`` already built from ``qg`` (`query_prologue`), or None.
-    ``sums_to_float``: `SUMS_TO_FLOAT` (how s8 keys' int32 sums become float32).
     """
     kc, vc, ks, kz, vs, vz, tab, lens = lowbit_set
     b, hkv, gp, d = qg.shape
@@ -971,8 +954,6 @@ def lowbit_partials(
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue={prologue!r} must be one of {PROLOGUES}")
-    if sums_to_float not in SUMS_TO_FLOAT:
-        raise ValueError(f"sums_to_float={sums_to_float!r} must be one of {SUMS_TO_FLOAT}")
     key_operand = "s8" if int_to_float.startswith("s8") else "f16"
     # Value codes become e4m3 operands where they are dimension-major (a register operand).
     value_operand = "f16"
@@ -1038,7 +1019,6 @@ def lowbit_partials(
         mask=mask,
         key_operand=key_operand,
         value_operand=value_operand,
-        sums_to_float=sums_to_float,
     )
     ring = plgpu.RefUnion(
         (
