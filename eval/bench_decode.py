@@ -287,7 +287,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     # stream, tensor-map copies, jnp unpack, token-major values, the serial schedule, masking
     # every step, key sums read through a bias) are in BENCHMARKS.md.
     runs = [  # the ring alone first: the shortest rows
-        (128, "dims", st, "bulk", "none", "last", None, "asm") for st in ("loads", "loads_codes")
+        (128, "dims", st, "bulk", "none", "last", None, "s8") for st in ("loads", "loads_codes")
     ]
     # The default operands' rows first: a device call's time limit may cut the list short.
     runs += [(128, "dims", st, "bulk", "values", "last", None, "s8") for st in ("full", "keys")]
