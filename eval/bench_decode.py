@@ -291,6 +291,7 @@ def mosaic_stage_rows(cfg: BenchConfig, batch: int, ctx: int, record) -> None:
     ]
     # The default operands' rows first: a device call's time limit may cut the list short.
     runs += [(128, "dims", st, "bulk", "values", "last", None, "s8") for st in ("full", "keys")]
+    runs += [(128, "dims", "full", "bulk", "copies", "last", None, "s8")]
     runs += [
         (128, "dims", "full", "bulk", "values", "last", None, k)
         for k in INT_TO_FLOAT_ROWS

@@ -7,7 +7,8 @@
 
 VARIANT is a row name of `eval.bench_decode.LOWBIT_VARIANTS`, or ``mosaic_split:STAGE`` (the
 Mosaic split kernel alone, 2 bits, 128-token dimension-major pages, computing STAGE of
-`gpu_mosaic.STAGES_KINDS`: what `eval.bench_decode`'s ``mosaic_stages`` rows time); the
+`gpu_mosaic.STAGES_KINDS`: what `eval.bench_decode`'s ``mosaic_stages`` rows time), or
+``mosaic_split:STAGE:OVERLAP`` with an MMA schedule of `gpu_mosaic.OVERLAPS`; the
 inputs (cache split into sink/recent full-precision and low-bit pages, random transforms) are
 the benchmark's own, at
 BATCHxCONTEXT (default 8x16384). The call is compiled and run once before the profiled call, so
@@ -25,7 +26,7 @@ import os
 import sys
 
 
-def run_split_once(stage: str, batch: int, ctx: int) -> None:
+def run_split_once(stage: str, batch: int, ctx: int, overlap: str = "values") -> None:
     import jax
 
     from eval import bench_decode as bd
@@ -43,7 +44,14 @@ def run_split_once(stage: str, batch: int, ctx: int) -> None:
     qg = jax.random.normal(jax.random.key(1), (batch, cfg.kv_heads, group, cfg.head_dim))
     f = jax.jit(
         lambda qg, ls: gm.lowbit_partials(
-            qg, ls, bits=2, scale_log2=0.1, group=group, stage=stage, value_layout="dims"
+            qg,
+            ls,
+            bits=2,
+            scale_log2=0.1,
+            group=group,
+            stage=stage,
+            value_layout="dims",
+            overlap=overlap,
         )
     )
     for _ in range(2):
@@ -71,9 +79,10 @@ def run_once(name: str, batch: int, ctx: int) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from eval.bench_decode import LOWBIT_VARIANTS
-    from pallas_kernels.decode_attention.gpu_mosaic import STAGES_KINDS
+    from pallas_kernels.decode_attention.gpu_mosaic import OVERLAPS, STAGES_KINDS
 
     split_names = [f"mosaic_split:{k}" for k in STAGES_KINDS]
+    split_names += [f"{n}:{o}" for n in split_names for o in OVERLAPS]
     if len(sys.argv) not in (2, 3) or sys.argv[1] not in [*LOWBIT_VARIANTS, *split_names]:
         raise SystemExit(
             f"usage: decode_kernel_once.py VARIANT [BATCHxCONTEXT], VARIANT one of "
@@ -81,6 +90,7 @@ if __name__ == "__main__":
         )
     b, c = (int(v) for v in (sys.argv[2] if len(sys.argv) == 3 else "8x16384").split("x"))
     if sys.argv[1].startswith("mosaic_split:"):
-        run_split_once(sys.argv[1].split(":", 1)[1], b, c)
+        stage, *overlap = sys.argv[1].split(":")[1:]
+        run_split_once(stage, b, c, *overlap)
     else:
         run_once(sys.argv[1], b, c)

@@ -51,7 +51,8 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   BENCHMARKS.md).
 * **MMA schedule** (``overlap``): by default a step's value MMAs stay in flight under the next
   step's copies, key unpack and key MMAs; the value accumulator is an MMA accumulator across
-  the loop, and reading it for the next rescale waits for both. ``"none"`` waits after each
+  the loop, and reading it for the next rescale waits for both. ``"copies"`` waits for them
+  before the next step's key unpack (fewer live registers); ``"none"`` waits after each
   product: the serial twin the tests compare against.
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
@@ -103,8 +104,11 @@ STAGES_KINDS = (
 CODE_COPIES = ("auto", "tma", "bulk")
 # What runs under the MMAs in flight: "none" waits after each product (the serial twin);
 # "values" leaves a step's value MMAs in flight over the next step's loads, key unpack and
-# key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k).
-OVERLAPS = ("none", "values")
+# key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k); "copies" only over the next
+# step's copy issue and ring wait, then waits before the key unpack, so the value planes'
+# registers (64 a thread at d = 128) are free before the key planes take theirs (ptxas: 174
+# registers with "values"; a third one-warpgroup CTA per SM needs at most 168).
+OVERLAPS = ("none", "values", "copies")
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
@@ -664,6 +668,8 @@ def _kernel(
         plgpu.barrier_wait(bars.at[slot])
         if stage in ("loads", "loads_codes"):  # the TMA ring alone: what the copies cost
             return carry
+        if overlap == "copies":  # the previous step's value MMAs, before the key planes
+            plgpu.wgmma_wait(0)
 
         def keys(acc_ref):  # stream t's tokens against its query block
             for t in range(streams):
@@ -755,7 +761,7 @@ def _kernel(
                 plgpu.wgmma(acc_ref, plane, p_ref.at[pl.ds(c * kb, kb)])
         else:
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(v16_smem, (1, 0)), p_ref)
-        if overlap != "values":
+        if overlap == "none":
             plgpu.wgmma_wait(0)
         return m_new, l_i, zc, pending
 
@@ -796,7 +802,7 @@ def _kernel(
         for g, plane in enumerate(_planes_s8(codes, v_bits, jnp.float8_e4m3fn)):
             p_ref = plgpu.transpose_ref(pt_smem.at[:, pl.ds(g * _S8_K, _S8_K)], (1, 0))
             plgpu.wgmma(acc_ref, plane, p_ref)
-        if overlap != "values":
+        if overlap == "none":
             plgpu.wgmma_wait(0)
         return pending
 

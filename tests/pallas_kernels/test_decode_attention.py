@@ -624,6 +624,7 @@ _OVERLAP_CASES = [
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
 def test_mosaic_overlapped_mmas_match_the_serial_step(case: Case):
     _check_schedule(case, dict(overlap="values"), dict(overlap="none"), run=True)
+    _check_schedule(case, dict(overlap="copies"), dict(overlap="none"), run=True)
 
 
 @pytest.mark.parametrize("case", _OVERLAP_CASES, ids=str)
@@ -792,6 +793,7 @@ def test_mosaic_bf16_body_lowers_for_cuda(case: Case):
     [
         dict(overlap="none"),
         dict(overlap="values"),
+        dict(overlap="copies"),
         dict(mask="every"),
         dict(n_pad=16),
         dict(streams=1),
