@@ -83,11 +83,16 @@ def lowbit_auto_splits(
     batch: int, hkv: int, max_pages: int, pages_per_block: int, backend: str = "gpu"
 ) -> int:
     """Splits `decode_attention` picks when ``num_splits`` is None: enough programs to fill
-    the GPU (the backend's ``TARGET_PROGRAMS``, else `_TARGET_PROGRAMS_LOWBIT`), at most the
-    backend's ``MAX_SPLITS`` per sequence and head group (None: no cap)."""
+    the GPU (the backend's ``TARGET_PROGRAMS``, else `_TARGET_PROGRAMS_LOWBIT`; no more than
+    it where the backend sets ``SPLITS_WITHIN_TARGET``, a wave of resident programs), at most
+    the backend's ``MAX_SPLITS`` per sequence and head group (None: no cap)."""
     mod = _backend_module(backend)
     target = getattr(mod, "TARGET_PROGRAMS", _TARGET_PROGRAMS_LOWBIT)
-    splits = _auto_splits(batch, hkv, max_pages, pages_per_block, target)
+    if getattr(mod, "SPLITS_WITHIN_TARGET", False):
+        blocks = max(1, -(-max_pages // pages_per_block))
+        splits = max(1, min(blocks, target // (batch * hkv)))
+    else:
+        splits = _auto_splits(batch, hkv, max_pages, pages_per_block, target)
     cap = mod.MAX_SPLITS
     return splits if cap is None else min(splits, cap)
 

@@ -49,10 +49,11 @@ low-bit pages 64 tokens (``TILE`` rows; 128 with 128-token pages) at a time:
   tiles (``code_copy="tma"``) or as plain bulk copies of their contiguous bytes into
   unswizzled tiles (``"bulk"``: the ring alone reads faster, the kernel measured level;
   BENCHMARKS.md).
-* **MMA schedule** (``overlap``): by default a step's value MMAs stay in flight under the next
-  step's copies, key unpack and key MMAs; the value accumulator is an MMA accumulator across
-  the loop, and reading it for the next rescale waits for both. ``"copies"`` waits for them
-  before the next step's key unpack (fewer live registers); ``"none"`` waits after each
+* **MMA schedule** (``overlap``): with ``"values"`` a step's value MMAs stay in flight under
+  the next step's copies, key unpack and key MMAs; the value accumulator is an MMA accumulator
+  across the loop, and reading it for the next rescale waits for both. ``"copies"`` waits for
+  them before the next step's key unpack: fewer live registers, three CTAs per SM; the
+  default picks it where the grid has programs for a third CTA. ``"none"`` waits after each
   product: the serial twin the tests compare against.
 
 The split partials (``acc`` with the zero-point term folded in, running max ``m`` and
@@ -106,9 +107,14 @@ CODE_COPIES = ("auto", "tma", "bulk")
 # "values" leaves a step's value MMAs in flight over the next step's loads, key unpack and
 # key MMAs (run 51: split kernel 0.490 -> 0.460 ms at 8 x 128k); "copies" only over the next
 # step's copy issue and ring wait, then waits before the key unpack, so the value planes'
-# registers (64 a thread at d = 128) are free before the key planes take theirs (ptxas: 174
-# registers with "values"; a third one-warpgroup CTA per SM needs at most 168).
+# registers (64 a thread at d = 128) are free before the key planes take theirs: ptxas counts
+# 151 registers against 174 (run 121), so three one-warpgroup CTAs fit an SM instead of two.
+# "auto" (the default) takes "copies" where the grid has more programs than two per SM
+# (`RESIDENT_PROGRAMS_VALUES`), else "values": the third CTA is what pays for the lost overlap
+# (H100, whole call at 8 x 128k: 384 programs, "copies" 0.2808 / 0.2840 ms against "values"
+# at 256 programs 0.2992 / 0.2973, run 124; 256 programs with "copies" 0.3084, run 122).
 OVERLAPS = ("none", "values", "copies")
+RESIDENT_PROGRAMS_VALUES = 264  # 2 CTAs per SM at 174 registers, 132 SMs (H100 / H200 SXM)
 # Which steps mask tokens past the split's count: "last" (only a step that reaches past it)
 # or "every" (the twin the tests compare against).
 MASKS = ("last", "every")
@@ -841,6 +847,12 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def auto_overlap(programs: int) -> str:
+    """The MMA schedule ``overlap="auto"`` picks for a grid of ``programs``: "copies" (three
+    resident CTAs per SM) where there are programs for a third, else "values"."""
+    return "copies" if programs > RESIDENT_PROGRAMS_VALUES else "values"
+
+
 def _split_rows(tab: jax.Array, lens: jax.Array, page: int, row_pages: int) -> jax.Array:
     """i32[B, S, rows, 32] table rows for the kernels: split s's pages (``tab`` i32[B, S,
     pps], zero-padded to ``row_pages``), then its valid-token count at index ``row_pages``."""
@@ -899,7 +911,7 @@ def lowbit_partials(
     auto_barriers: bool = False,
     code_copy: str = "auto",
     int_to_float: str = "s8",
-    overlap: str = "values",
+    overlap: str = "auto",
     mask: str = "last",
     n_pad: int | None = None,
     streams: int | None = None,
@@ -954,8 +966,8 @@ def lowbit_partials(
         raise ValueError(f"code_copy={code_copy!r} must be one of {CODE_COPIES}")
     if int_to_float not in INT_TO_FLOAT:
         raise ValueError(f"int_to_float={int_to_float!r} must be one of {INT_TO_FLOAT}")
-    if overlap not in OVERLAPS:
-        raise ValueError(f"overlap={overlap!r} must be one of {OVERLAPS}")
+    if overlap not in (*OVERLAPS, "auto"):
+        raise ValueError(f"overlap={overlap!r} must be 'auto' or one of {OVERLAPS}")
     if mask not in MASKS:
         raise ValueError(f"mask={mask!r} must be one of {MASKS}")
     if prologue not in PROLOGUES:
@@ -968,6 +980,8 @@ def lowbit_partials(
     if value_operand != "f16" and stage not in ("full", "keys", "loads", "loads_codes"):
         raise ValueError(f"stage={stage!r} is a float16-value attribution row; {int_to_float=}")
     n_pad, streams = mma_columns(group, page, n_pad, streams)
+    if overlap == "auto":
+        overlap = auto_overlap(b * hkv * s)
     tile = MAX_TILE if page % MAX_TILE == 0 else TILE
     if operands is not None:
         qs, qmeta = operands
@@ -1297,11 +1311,13 @@ FP_TARGET_PROGRAMS = 1024
 # 128k (0.080 / 0.075 / 0.078 ms against 0.135 / 0.080 / 0.098 at 128 splits).
 MAX_SPLITS = 32
 # Programs the automatic split count aims for (the API's default 1024 where a backend names
-# none): about one wave of this kernel (~2 resident programs per SM by registers, 132 SMs).
-# Run 98 (H100, one run) against 1024: 8 x 32k 0.1080 vs 0.1203 ms, 8 x 128k 0.3304 vs
-# 0.3488, 32 x 32k 0.3572 vs 0.3793; 512 fell between. Every extra wave repeats the
-# per-program start-up (query load, barriers, the partials' stores).
-TARGET_PROGRAMS = 256
+# none), at most (`SPLITS_WITHIN_TARGET`: rounded down): one wave of this kernel with three
+# resident programs per SM ("copies" schedule, 132 SMs: 396). Every extra wave repeats the
+# per-program start-up (query load, barriers, the partials' stores): run 98 (H100) measured
+# 256 against 1024 (8 x 32k 0.1080 vs 0.1203 ms, 8 x 128k 0.3304 vs 0.3488); run 122 measured
+# 384 against 256 and 512 (8 x 128k 0.2609 / 0.2974 / 0.3130 ms, with "copies" at 384 / 512).
+TARGET_PROGRAMS = 384
+SPLITS_WITHIN_TARGET = True
 HOISTS_TRANSFORMS = True
 HAS_MERGE_KERNEL = True
 GATHER_MODES = CODE_COPIES

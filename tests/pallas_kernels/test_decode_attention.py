@@ -231,16 +231,27 @@ SLOW_CASES = [
 ]
 
 
+def test_auto_schedule_frees_registers_only_where_a_third_program_per_sm_has_work():
+    from pallas_kernels.decode_attention import gpu_mosaic as gm
+
+    # 8 x 128k: 6 splits x 64 (sequence, KV head) programs; 32 x 32k and batch 1: 256.
+    assert gm.auto_overlap(da.lowbit_auto_splits(8, 8, 1024, 1, "gpu_mosaic") * 64) == "copies"
+    assert gm.auto_overlap(da.lowbit_auto_splits(32, 8, 256, 1, "gpu_mosaic") * 256) == "values"
+    assert gm.auto_overlap(da.lowbit_auto_splits(1, 8, 1024, 1, "gpu_mosaic") * 8) == "values"
+
+
 @pytest.mark.parametrize(
     "batch, pages, triton, mosaic",
     [
         # Qwen3-8B heads (8 KV heads); pages of 128 tokens for the Mosaic body, 64 for Triton.
-        # Triton aims at 1024 programs, the Mosaic body at its own TARGET_PROGRAMS (256).
+        # Triton aims at 1024 programs, the Mosaic body at its own TARGET_PROGRAMS (384, at
+        # most: one wave of three programs per SM).
         (1, 256, 128, 32),  # 1 x 32k: the Mosaic body capped at MAX_SPLITS
         (1, 1024, 128, 32),  # 1 x 128k
-        (2, 1024, 64, 16),
-        (8, 1024, 16, 4),  # 8 x 128k: the program target binds first
-        (32, 256, 4, 1),  # 32 x 32k
+        (2, 1024, 64, 24),
+        (8, 1024, 16, 6),  # 8 x 128k: the program target binds first
+        (32, 256, 4, 1),  # 32 x 32k: 256 programs (two splits would be a second wave)
+        (64, 32, 2, 1),  # 64 x 4k: past the target, one split
         (1, 8, 8, 8),  # never more splits than pages
     ],
 )
