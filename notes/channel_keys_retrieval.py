@@ -145,7 +145,11 @@ def main() -> None:
     lines = [
         f"| {r['transform']} | {r['key_axis'] or '-'} | {100 * r['accuracy']:.0f} ± "
         f"{100 * r['se']:.0f} | "
-        + ("-" if r["change_se"] is None else f"{100 * r['change_vs_fp']:+.0f} ± {100 * r['change_se']:.0f}")
+        + (
+            "-"
+            if r["change_se"] is None
+            else f"{100 * r['change_vs_fp']:+.0f} ± {100 * r['change_se']:.0f}"
+        )
         + f" | {r['digits']:.2f} | {r['seconds']:.0f} |"
         for r in rows
     ]

@@ -58,8 +58,17 @@ def main() -> None:
     )
     OUT.with_suffix(".md").write_text(md + "\n")
     OUT.with_suffix(".json").write_text(
-        json.dumps(dict(command=COMMAND, device="NVIDIA H100 80GB HBM3", jax_version="0.11.2",
-                        date="2026-12-08", commit="c43bdb2", rows=rows), indent=1)  # fmt: skip
+        json.dumps(
+            dict(
+                command=COMMAND,
+                device="NVIDIA H100 80GB HBM3",
+                jax_version="0.11.2",
+                date="2026-12-08",
+                commit="c43bdb2",
+                rows=rows,
+            ),
+            indent=1,
+        )  # fmt: skip
     )
     print(md)
 
