@@ -1,4 +1,5 @@
-"""Would per-channel key scales (KIVI's axis) close the 2-bit retrieval gap (issue #14)?
+"""Where is the 2-bit retrieval loss (issue #14), and would per-channel key scales (KIVI's axis)
+close it?
 
 Every low-bit key page today has one scale/zero per token (over its head_dim channels, after
 the calibrated transform). This probe keeps the values as they are and quantizes the keys per
@@ -52,9 +53,15 @@ def channel_roundtrip(k_t: jnp.ndarray, bits: int, sink: int) -> jnp.ndarray:
     return jnp.concatenate([k_t[:, :sink], deq, k_t[:, sink + n :]], axis=1)
 
 
-def patched_scorer(model, key_axis: str, bits: int) -> common.TokenScorer:
-    """A TokenScorer whose simulated cache rounds keys per channel (``key_axis="channel"``)."""
-    if key_axis == "token":
+# How the simulated cache rounds the low-bit pages: both per token ("token", what
+# `eval.retrieval` does), keys per channel ("channel"), or only the keys / only the values
+# per token, the other kept exact ("keys_only" / "values_only": where the loss is).
+MODES = ("token", "channel", "keys_only", "values_only")
+
+
+def patched_scorer(model, mode: str, bits: int) -> common.TokenScorer:
+    """A TokenScorer whose simulated cache rounds the low-bit pages as ``mode`` says."""
+    if mode == "token":
         return common.TokenScorer(model)
     orig_attend = common.WindowedQuantCache.attend
     orig_roundtrip = common._roundtrip_stored
@@ -64,7 +71,10 @@ def patched_scorer(model, key_axis: str, bits: int) -> common.TokenScorer:
 
         def roundtrip(x, qc, clip):
             calls.append(qc)
-            if len(calls) == 1 and qc is not None:  # the keys: `attend` rounds them first
+            keys = len(calls) == 1  # `attend` rounds the keys first, then the values
+            if qc is None or (mode == "keys_only" and not keys) or (mode == "values_only" and keys):
+                return x
+            if mode == "channel" and keys:
                 return channel_roundtrip(x, bits, self.cfg.sink)
             return orig_roundtrip(x, qc, clip)
 
@@ -91,6 +101,7 @@ def main() -> None:
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--keep", type=int, default=256)
     ap.add_argument("--bits", type=int, default=2)
+    ap.add_argument("--modes", nargs="+", default=["token", "channel"], choices=MODES)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     args = ap.parse_args()
     lm = load_model(args.model)
@@ -111,9 +122,9 @@ def main() -> None:
     orig_attend = common.WindowedQuantCache.attend
     rows, fp_exact = [], None
     settings = [("full precision", "token", None)]
-    settings += [(m, axis, tf) for m, tf in tfs.items() for axis in ("token", "channel")]
-    for name, axis, tf in settings:
-        scorer = patched_scorer(lm.model, axis, args.bits)
+    settings += [(m, mode, tf) for m, tf in tfs.items() for mode in args.modes]
+    for name, mode, tf in settings:
+        scorer = patched_scorer(lm.model, mode, args.bits)
         t0 = time.perf_counter()
         exact, frac = retrieval.score_trials(
             scorer, ids, a0, None if tf is None else ccfg, tf, 16, batch
@@ -123,7 +134,7 @@ def main() -> None:
         fp_exact = exact if tf is None else fp_exact
         acc = float(exact.mean())
         rows.append(dict(
-            transform=name, key_axis=None if tf is None else axis, accuracy=acc,
+            transform=name, pages=None if tf is None else mode, accuracy=acc,
             se=retrieval.binomial_se(acc, len(exact)),
             change_vs_fp=acc - float(fp_exact.mean()),
             change_se=None if tf is None else retrieval.paired_se(exact, fp_exact),
@@ -139,11 +150,11 @@ def main() -> None:
         f"oscar quantizer); keys per token ({args.bits + 32 / d:.2f} bits/element) or per "
         f"channel over {BLOCK}-token blocks ({args.bits + 32 / BLOCK:.2f}). Command: "
         f"`python {' '.join(sys.argv)}`, commit {common.git_commit()}.\n\n"
-        "| transform | keys | accuracy | change vs FP (points) | digits right | seconds |\n"
+        "| transform | low-bit pages | accuracy | change vs FP (points) | digits right | seconds |\n"
         "|---|---|---:|---:|---:|---:|\n"
     )
     lines = [
-        f"| {r['transform']} | {r['key_axis'] or '-'} | {100 * r['accuracy']:.0f} ± "
+        f"| {r['transform']} | {r['pages'] or '-'} | {100 * r['accuracy']:.0f} ± "
         f"{100 * r['se']:.0f} | "
         + (
             "-"
