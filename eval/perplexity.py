@@ -146,17 +146,28 @@ def perplexity(logprobs: np.ndarray) -> float:
     return float(math.exp(-float(np.mean(logprobs, dtype=np.float64))))
 
 
-def paired_change_se(logprobs: np.ndarray, fp_logprobs: np.ndarray) -> float | None:
-    """Standard error of the relative perplexity change vs full precision, paired over windows.
+def window_nll(logprobs: np.ndarray) -> np.ndarray:
+    """f64[W]: each window's mean negative log-likelihood (what the paired errors pair)."""
+    return -logprobs.mean(axis=1, dtype=np.float64)
 
-    The change is exp(mean_w d_w) - 1 with d_w a window's mean NLL minus full precision's on the
+
+def paired_change(nll: np.ndarray, base_nll: np.ndarray) -> tuple[float, float | None]:
+    """(relative perplexity change of one setting against a base on the same windows, its
+    standard error paired over windows).
+
+    The change is exp(mean_w d_w) - 1 with d_w a window's mean NLL minus the base's on the
     same window (windows have equal token counts); its delta-method standard error is
     exp(mean d) * std(d) / sqrt(N). None with one window.
     """
-    d = -logprobs.mean(axis=1, dtype=np.float64) + fp_logprobs.mean(axis=1, dtype=np.float64)
-    if len(d) < 2:
-        return None
-    return float(math.exp(d.mean()) * d.std(ddof=1) / math.sqrt(len(d)))
+    d = np.asarray(nll, np.float64) - np.asarray(base_nll, np.float64)
+    se = None if len(d) < 2 else float(math.exp(d.mean()) * d.std(ddof=1) / math.sqrt(len(d)))
+    return float(math.expm1(d.mean())), se
+
+
+def paired_change_se(logprobs: np.ndarray, fp_logprobs: np.ndarray) -> float | None:
+    """Standard error of the relative perplexity change vs full precision, paired over windows
+    (`paired_change`)."""
+    return paired_change(window_nll(logprobs), window_nll(fp_logprobs))[1]
 
 
 def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> list[dict]:
@@ -185,6 +196,7 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
             rel_to_fp=0.0,
             rel_to_fp_se=None,
             seconds=time.perf_counter() - t0,
+            window_nll=window_nll(fp_lp).tolist(),
             **base,
         )
     )
@@ -218,6 +230,7 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
                     rel_to_fp=ppl / fp - 1.0,
                     rel_to_fp_se=se,
                     seconds=time.perf_counter() - t0,
+                    window_nll=window_nll(lp).tolist(),
                     **base,
                 )
             )
@@ -248,6 +261,7 @@ def run_grid(cfg: PerplexityConfig, lm: LoadedModel, windows: np.ndarray) -> lis
                     seconds=time.perf_counter() - t0,
                     allocation=alloc.to_dict(),
                     bpe_lowbit=alloc.bpe(lm.cfg.head_dim, context=None),
+                    window_nll=window_nll(lp).tolist(),
                     **base,
                 )
             )
@@ -329,6 +343,14 @@ def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
         + ".\n"
     )
     lines.append(common.markdown_table(header, table))
+    pairs = method_pairs(rows)
+    if pairs:
+        lines.append(
+            "\nNeighbouring methods of each column against each other (ranked by perplexity; the "
+            "change of the worse against the better, ± its standard error paired over windows; "
+            "rows measured before per-window values were kept have none):\n"
+        )
+        lines += [f"- {p}" for p in pairs]
     if extra.get("crosscheck"):
         c = extra["crosscheck"]
         lines.append(
@@ -339,6 +361,27 @@ def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
             f"vs {c['seconds_paged']:.0f}s).\n"
         )
     return "\n".join(lines)
+
+
+def method_pairs(rows: list[dict]) -> list[str]:
+    """For each (quantizer, bits, windows) column, each quantized method against the next
+    better one, where both rows keep their per-window NLLs: "oscar 2b 16/128/16: kv_pca vs
+    wush +0.87% ± 0.21"."""
+    cols: dict[tuple, list[dict]] = {}
+    for r in rows[1:]:
+        if r.get("window_nll") and r["transform"] != "identity":
+            cols.setdefault((r["quantizer"], r["bits"], r["windows"]), []).append(r)
+    out = []
+    for (q, b, w), rs in cols.items():
+        rs = sorted(rs, key=lambda r: r["value"])
+        for better, worse in zip(rs, rs[1:]):
+            change, se = paired_change(worse["window_nll"], better["window_nll"])
+            pm = "" if se is None else f" ± {100 * se:.2f}"
+            out.append(
+                f"{q} {b}b {w}: {worse['transform']} vs {better['transform']} "
+                f"{100 * change:+.2f}%{pm}"
+            )
+    return out
 
 
 def plot(rows: list[dict], cfg: PerplexityConfig, path: pathlib.Path) -> None:

@@ -235,6 +235,29 @@ def test_paired_change_se():
     assert perplexity.paired_change_se(fp[:1], fp[:1]) is None
 
 
+def test_method_pairs_compare_neighbouring_methods_paired_over_windows():
+    def row(name, nll, bits=2):
+        ppl = float(np.exp(np.mean(nll)))
+        return dict(transform=name, quantizer="oscar", bits=bits, windows="16/128/16",
+                    value=ppl, window_nll=list(nll))  # fmt: skip
+
+    base = np.array([3.0, 3.2, 2.9, 3.1])
+    shift = np.array([0.01, 0.03, 0.02, 0.02])
+    rows = [
+        dict(transform="full_precision", value=1.0, window_nll=list(base)),
+        row("kv_pca", base + 0.05 + shift),
+        row("wush", base + 0.05),
+        row("identity", base + 1.0),  # never paired: not a calibrated method
+        row("hadamard", base + 0.2, bits=3),  # alone in its column
+        dict(row("oscar", base + 0.3), window_nll=None),  # no per-window values kept
+    ]
+    pairs = perplexity.method_pairs(rows)
+    change, se = perplexity.paired_change(base + 0.05 + shift, base + 0.05)
+    assert change == pytest.approx(np.expm1(shift.mean()))
+    assert se == pytest.approx(np.exp(shift.mean()) * shift.std(ddof=1) / 2.0)
+    assert pairs == [f"oscar 2b 16/128/16: kv_pca vs wush {100 * change:+.2f}% ± {100 * se:.2f}"]
+
+
 def test_perplexity_data_is_read_before_the_model(lm, tmp_path, monkeypatch):
     def no_model(_):
         raise AssertionError("the model loaded before the text was checked")
