@@ -150,7 +150,8 @@ def main() -> None:
         f"oscar quantizer); keys per token ({args.bits + 32 / d:.2f} bits/element) or per "
         f"channel over {BLOCK}-token blocks ({args.bits + 32 / BLOCK:.2f}). Command: "
         f"`python {' '.join(sys.argv)}`, commit {common.git_commit()}.\n\n"
-        "| transform | low-bit pages | accuracy | change vs FP (points) | digits right | seconds |\n"
+        "| transform | low-bit pages | accuracy | change vs FP (points) | digits right "
+        "| seconds |\n"
         "|---|---|---:|---:|---:|---:|\n"
     )
     lines = [
