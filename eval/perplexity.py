@@ -346,7 +346,7 @@ def to_markdown(rows: list[dict], cfg: PerplexityConfig, extra: dict) -> str:
     pairs = method_pairs(rows)
     if pairs:
         lines.append(
-            "\nNeighbouring methods of each column against each other (ranked by perplexity; the "
+            "Neighbouring methods of each column against each other (ranked by perplexity; the "
             "change of the worse against the better, ± its standard error paired over windows; "
             "rows measured before per-window values were kept have none):\n"
         )
