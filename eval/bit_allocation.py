@@ -33,7 +33,7 @@ import numpy as np
 
 from calib import allocation, sensitivity
 from eval import common
-from eval.perplexity import paired_change_se, perplexity
+from eval.perplexity import paired_change_se, perplexity, window_nll
 from kvjax import cli
 from kvjax.cache.budget import BitAllocation, Format
 from kvjax.cache.paged import CacheConfig
@@ -90,7 +90,7 @@ def _delta_se(
 
 
 def _window_nll_change(lp: np.ndarray, fp_lp: np.ndarray) -> np.ndarray:  # f64[N]
-    return -lp.mean(axis=1, dtype=np.float64) + fp_lp.mean(axis=1, dtype=np.float64)
+    return window_nll(lp) - window_nll(fp_lp)
 
 
 def compare(lp_a: np.ndarray, lp_b: np.ndarray, fp_lp: np.ndarray) -> dict:

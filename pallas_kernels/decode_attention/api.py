@@ -64,10 +64,18 @@ _TARGET_PROGRAMS_LOWBIT = 1024
 # Split planning and merge
 # ------------------------------------------------------------------------------------------
 def _auto_splits(
-    batch: int, hkv: int, max_pages: int, pages_per_block: int, target: int = _TARGET_PROGRAMS
+    batch: int,
+    hkv: int,
+    max_pages: int,
+    pages_per_block: int,
+    target: int = _TARGET_PROGRAMS,
+    within_target: bool = False,
 ) -> int:
+    """Splits giving ``target`` programs over ``batch * hkv`` (at least that many, or with
+    ``within_target`` at most), never more than the blocks of pages."""
     blocks = max(1, -(-max_pages // pages_per_block))
-    return int(max(1, min(blocks, -(-target // (batch * hkv)))))
+    per = target // (batch * hkv) if within_target else -(-target // (batch * hkv))
+    return int(max(1, min(blocks, per)))
 
 
 def default_pages_per_block(backend: str, bits: int, bits_v: int | None = None) -> int:
@@ -88,11 +96,8 @@ def lowbit_auto_splits(
     the backend's ``MAX_SPLITS`` per sequence and head group (None: no cap)."""
     mod = _backend_module(backend)
     target = getattr(mod, "TARGET_PROGRAMS", _TARGET_PROGRAMS_LOWBIT)
-    if getattr(mod, "SPLITS_WITHIN_TARGET", False):
-        blocks = max(1, -(-max_pages // pages_per_block))
-        splits = max(1, min(blocks, target // (batch * hkv)))
-    else:
-        splits = _auto_splits(batch, hkv, max_pages, pages_per_block, target)
+    within = getattr(mod, "SPLITS_WITHIN_TARGET", False)
+    splits = _auto_splits(batch, hkv, max_pages, pages_per_block, target, within)
     cap = mod.MAX_SPLITS
     return splits if cap is None else min(splits, cap)
 
